@@ -1,0 +1,40 @@
+# The README's commands. Every target works on a fresh machine: `setup` installs what is missing.
+PYTHON ?= python3
+# A CPU build by default; GPU users override, e.g. make setup TORCH_SPEC="torch==2.13.0 --index-url ..."
+TORCH_SPEC ?= torch==2.13.0
+CH ?= ch01
+PORT ?= 8000
+PROFILE ?= auto
+FROM ?= ch01
+TO ?= ch02
+PYTEST_ARGS ?=
+
+.PHONY: setup climb test test-slow serve diff model bench notebooks
+
+setup:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install $(TORCH_SPEC)
+	$(PYTHON) -m pip install -q -e ".[dev]"
+
+# The main job: every chapter under load, the table and the plots.
+climb: setup
+	$(PYTHON) -m benchmarks climb --profile $(PROFILE)
+
+test: setup
+	$(PYTHON) -m pytest $(PYTEST_ARGS)
+
+test-slow: setup
+	$(PYTHON) -m pytest -m slow $(PYTEST_ARGS)
+
+serve:
+	$(PYTHON) -m chapters.$$($(PYTHON) -c "from chapters import CHAPTERS; print(CHAPTERS['$(CH)'])") --port $(PORT)
+
+bench:
+	$(PYTHON) -m benchmarks run --chapter $(CH) --profile $(PROFILE)
+
+# What chapter TO adds over chapter FROM: only the lesson.
+diff:
+	@$(PYTHON) -m chapters.diff $(FROM) $(TO)
+
+# Retrain the embedded default model (deterministic, about 15 minutes on 2 cores).
+model:
+	$(PYTHON) -m shared.train_default

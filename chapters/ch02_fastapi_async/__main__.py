@@ -1,0 +1,3 @@
+from chapters.ch02_fastapi_async.server import main
+
+main()

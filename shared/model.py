@@ -1,0 +1,233 @@
+"""A GPT-2-architecture decoder: pre-LayerNorm blocks, causal SDPA attention, tanh-GELU MLP, tied embeddings.
+
+The model never owns its KV cache. Each forward pass may be handed an object that follows the
+:class:`KVCache` protocol (``seq_len``, ``update``, ``advance``), so a chapter can swap the cache
+(growing tensors, a pre-allocated pool, a static buffer for compilation) without touching this file.
+
+Left padding is supported for batched decoding: pass ``attention_mask`` (1 for real tokens, 0 for
+padding, covering cached and new positions) and ``position_ids`` that count real tokens only.
+Module names follow Hugging Face's GPT-2 (``h.0.attn.c_attn`` ...) so its checkpoints map one to one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    n_ctx: int  # longest sequence (prompt + generated tokens) the position table covers
+    n_embd: int
+    n_layer: int
+    n_head: int
+    layer_norm_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def kv_bytes_per_token(self, dtype: torch.dtype = torch.float32) -> int:
+        """Bytes of key and value cache one token occupies across all layers."""
+        element = torch.tensor([], dtype=dtype).element_size()
+        return 2 * self.n_layer * self.n_embd * element
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # ~3.3 M parameters: byte vocabulary, the embedded default model, the tests and the CPU benchmark.
+    "tiny": ModelConfig(vocab_size=258, n_ctx=512, n_embd=256, n_layer=4, n_head=4),
+    # The 124 M GPT-2 shape: the GPU benchmark, and real GPT-2 weights from a local directory.
+    "gpt2": ModelConfig(vocab_size=50257, n_ctx=1024, n_embd=768, n_layer=12, n_head=12),
+}
+
+
+class KVCache(Protocol):
+    """The narrow interface between attention and whatever stores past keys and values.
+
+    All rows of a batch share one ``seq_len`` (left padding keeps them aligned).
+    """
+
+    @property
+    def seq_len(self) -> int:
+        """Positions already stored (before the current forward pass)."""
+        ...
+
+    def update(self, layer: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        """Store ``key``/``value`` of shape (B, H, T, D) after position ``seq_len`` for ``layer``;
+        return every stored key and value of that layer, shape (B, H, seq_len + T, D)."""
+        ...
+
+    def advance(self, n_tokens: int) -> None:
+        """Called once per forward pass, after all layers stored their ``n_tokens`` new positions."""
+        ...
+
+
+class DynamicKVCache:
+    """The simplest cache: per layer, concatenate new keys and values onto the old ones.
+
+    Every decode step allocates a fresh, longer tensor per layer and copies the past into it. That
+    is what chapter 4's memory pool removes.
+    """
+
+    def __init__(self, n_layer: int) -> None:
+        self._keys: list[Tensor | None] = [None] * n_layer
+        self._values: list[Tensor | None] = [None] * n_layer
+        self._seq_len = 0
+
+    @property
+    def seq_len(self) -> int:
+        return self._seq_len
+
+    def update(self, layer: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        past_k, past_v = self._keys[layer], self._values[layer]
+        if past_k is not None:
+            key = torch.cat([past_k, key], dim=2)
+            value = torch.cat([past_v, value], dim=2)
+        self._keys[layer], self._values[layer] = key, value
+        return key, value
+
+    def advance(self, n_tokens: int) -> None:
+        self._seq_len += n_tokens
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.n_head = config.n_head
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+
+    def forward(self, x: Tensor, mask: Tensor | None, cache: KVCache | None) -> Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.c_attn(x).split(width, dim=2)
+        q, k, v = (t.view(batch, length, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
+        if cache is not None:
+            k, v = cache.update(self.layer_index, k, v)
+        if mask is None:
+            # No padding and nothing cached: the plain causal case, the fastest SDPA path.
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=length > 1)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.c_proj(y.transpose(1, 2).reshape(batch, length, width))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
+        self.attn = Attention(config, layer_index)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor, mask: Tensor | None, cache: KVCache | None) -> Tensor:
+        x = x + self.attn(self.ln_1(x), mask, cache)
+        return x + self.mlp(self.ln_2(x))
+
+
+def build_attention_mask(attention_mask: Tensor | None, past: int, length: int) -> Tensor | None:
+    """The boolean (B or 1, 1, T, S) mask SDPA needs, or None for the plain causal case.
+
+    ``attention_mask`` is (B, S) with S = past + T: 1 where a real token sits, 0 for padding.
+    """
+    if attention_mask is None and (past == 0 or length == 1):
+        return None  # causal alone; a single new token may see every cached position
+    total = past + length
+    device = attention_mask.device if attention_mask is not None else None
+    key_pos = torch.arange(total, device=device)
+    query_pos = torch.arange(past, total, device=device)
+    allowed = (key_pos[None, :] <= query_pos[:, None])[None, None]  # (1, 1, T, S)
+    if attention_mask is None:
+        return allowed
+    if attention_mask.shape[-1] != total:
+        raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} positions, expected {total}")
+    allowed = allowed & attention_mask.bool()[:, None, None, :]
+    # A padding query has no visible key: a fully masked row makes softmax NaN, and NaN in a
+    # padded value would poison real rows (0 * NaN = NaN). Let every query see itself.
+    return allowed | (key_pos[None, :] == query_pos[:, None])[None, None]
+
+
+class GPT(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.n_ctx, config.n_embd)
+        self.h = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        *,
+        position_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        cache: KVCache | None = None,
+        last_token_only: bool = False,
+    ) -> Tensor:
+        """Logits (B, T, V), or (B, 1, V) with ``last_token_only``.
+
+        ``input_ids`` (B, T) are the new tokens; ``cache`` holds everything before them.
+        ``position_ids`` default to ``past .. past+T-1`` (right for unpadded rows).
+        """
+        batch, length = input_ids.shape
+        past = cache.seq_len if cache is not None else 0
+        if past + length > self.config.n_ctx:
+            raise ValueError(f"sequence of {past + length} tokens exceeds the context of {self.config.n_ctx}")
+        if position_ids is None:
+            position_ids = torch.arange(past, past + length, device=input_ids.device)[None, :]
+        x = self.wte(input_ids) + self.wpe(position_ids)
+        mask = build_attention_mask(attention_mask, past, length)
+        for block in self.h:
+            x = block(x, mask, cache)
+        if cache is not None:
+            cache.advance(length)
+        if last_token_only:
+            x = x[:, -1:, :]
+        return F.linear(self.ln_f(x), self.wte.weight)  # tied input and output embeddings
+
+    @property
+    def device(self) -> torch.device:
+        return self.wte.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.wte.weight.dtype
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def init_weights(model: GPT, seed: int = 0) -> GPT:
+    """GPT-2's initialisation, seeded: the same seed gives the same bits on any machine."""
+    generator = torch.Generator().manual_seed(seed)
+    residual_std = 0.02 / math.sqrt(2 * model.config.n_layer)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.zero_()
+            elif ".ln_" in name or name.startswith("ln_f"):
+                param.fill_(1.0)
+            else:
+                std = residual_std if name.endswith("c_proj.weight") else 0.02
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+    return model

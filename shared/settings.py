@@ -1,0 +1,55 @@
+"""One typed settings object per server, read from command-line flags and ``SFS_*`` environment variables.
+
+Flags win over the environment, the environment over the defaults. A chapter that adds knobs
+subclasses :class:`ServerSettings` (chapter 3 adds the batcher's window and batch sizes), so
+``--help`` always lists every knob of the server it starts.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Literal, TypeVar
+
+import torch
+from pydantic import Field
+from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
+
+from shared.schemas import ContractLimits
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class ServerSettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="SFS_", cli_kebab_case=True, cli_implicit_flags=True, cli_avoid_json=True, extra="ignore"
+    )
+
+    host: str = Field("127.0.0.1", description="address to bind; loopback unless you mean to expose it")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port (0: any free port)")
+    weights: str = Field("default", description="default | dummy | path to .safetensors | Hugging Face GPT-2 directory")
+    preset: str = Field("tiny", description="model shape for --weights dummy: tiny | gpt2")
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
+    dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description="weights and activations")
+    torch_threads: int = Field(0, ge=0, description="intra-op threads for the model (0: leave torch's default)")
+    max_new_tokens_limit: int = Field(256, ge=1, description="largest max_new_tokens a request may ask for")
+    max_body_bytes: int = Field(1_000_000, ge=1, description="larger request bodies get 413")
+    log_level: str = Field("info", description="debug | info | warning | error")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def limits(self, vocab_size: int, n_ctx: int) -> ContractLimits:
+        return ContractLimits(
+            vocab_size=vocab_size, n_ctx=n_ctx, max_new_tokens=self.max_new_tokens_limit, max_body_bytes=self.max_body_bytes
+        )
+
+
+SettingsT = TypeVar("SettingsT", bound=ServerSettings)
+
+
+def parse_settings(cls: type[SettingsT], argv: list[str] | None = None, prog: str | None = None) -> SettingsT:
+    """Build ``cls`` from ``argv`` (default: ``sys.argv[1:]``) and the environment."""
+    argv = sys.argv[1:] if argv is None else argv
+    cls.model_config["cli_prog_name"] = prog or cls.__module__
+    return CliApp.run(cls, cli_args=argv)
