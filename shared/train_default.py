@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 
@@ -83,8 +84,16 @@ def train(args: argparse.Namespace) -> dict:
     }
 
 
+def median_pace_s(log: list[dict]) -> float:
+    """Median seconds per logged interval: the run's pace with stalls (other jobs on the cores) left out."""
+    elapsed = [0.0] + [entry["elapsed_s"] for entry in log]
+    steps = [0] + [entry["step"] for entry in log]
+    return statistics.median((elapsed[i + 1] - elapsed[i]) / (steps[i + 1] - steps[i]) for i in range(len(log)))
+
+
 def write_card(card: dict, path: Path) -> None:
     path.with_suffix(".json").write_text(json.dumps(card, indent=2) + "\n")
+    pace = median_pace_s(card["log"])
     lines = [
         "# The embedded default model (`tiny`)",
         "",
@@ -100,7 +109,9 @@ def write_card(card: dict, path: Path) -> None:
         f"**Training**: seed {card['seed']}, {card['steps']} steps of {card['batch_size']} x {card['seq_len']} bytes "
         f"({card['tokens_seen']:,} tokens), {card['optimizer']}; "
         f"{card['training_seconds'] / 60:.1f} minutes on {card['threads']} CPU threads "
-        f"({card['tokens_per_second']:,} tokens/s, torch {card['torch']}).",
+        f"({card['tokens_per_second']:,} tokens/s, torch {card['torch']}). At the run's median pace "
+        f"({pace:.2f} s a step, evaluation included) the whole run takes "
+        f"{pace * card['steps'] / 60:.1f} minutes; the wall time above is longer when other jobs share the cores.",
         "",
         f"**Held-out task accuracy (FP32, greedy, exact match)**: {card['held_out_accuracy_fp32']:.1%} "
         f"({card['held_out_correct']}/{card['held_out_pairs']}), measured by `shared.corpus.evaluate`.",
@@ -128,13 +139,18 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--out", type=Path, default=DEFAULT_WEIGHTS)
+    parser.add_argument("--card-only", action="store_true", help="rewrite MODEL_CARD.md from MODEL_CARD.json")
     args = parser.parse_args()
+    card_path = args.out.parent / "MODEL_CARD"
+    if args.card_only:
+        write_card(json.loads(card_path.with_suffix(".json").read_text()), card_path)
+        return
     result = train(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     card = result["card"]
     save_safetensors(result["model"], args.out, metadata={"held_out_accuracy_fp32": str(card["held_out_accuracy_fp32"])})
-    write_card(card, args.out.parent / "MODEL_CARD")
-    print(f"wrote {args.out} and {args.out.parent / 'MODEL_CARD.md'}")
+    write_card(card, card_path)
+    print(f"wrote {args.out} and {card_path.with_suffix('.md')}")
 
 
 if __name__ == "__main__":
