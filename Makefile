@@ -9,7 +9,7 @@ FROM ?= ch01
 TO ?= ch02
 PYTEST_ARGS ?=
 
-.PHONY: setup climb test test-slow serve diff model bench notebooks
+.PHONY: setup climb test test-slow serve diff model bench reference ceiling notebooks
 
 setup:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install $(TORCH_SPEC)
@@ -27,6 +27,17 @@ test-slow: setup
 
 serve:
 	$(PYTHON) -m chapters.$$($(PYTHON) -c "from chapters import CHAPTERS; print(CHAPTERS['$(CH)'])") --port $(PORT)
+
+# Record reference results (commit benchmarks/reference/ afterwards) and refill the READMEs' result blocks.
+reference: setup
+	$(PYTHON) -m benchmarks climb --profile $(PROFILE) --ceiling --save-reference
+	$(PYTHON) -m benchmarks readme
+
+ceiling:
+	$(PYTHON) -m benchmarks ceiling --profile $(PROFILE)
+
+notebooks:
+	$(PYTHON) -m pytest tests/test_benchmarks_notebook.py
 
 bench:
 	$(PYTHON) -m benchmarks run --chapter $(CH) --profile $(PROFILE)

@@ -13,9 +13,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import requests
@@ -38,6 +38,7 @@ class RunningServer:
     url: str
     process: subprocess.Popen
     log_path: Path
+    command: list[str] = field(default_factory=list)
 
     @property
     def pid(self) -> int:
@@ -87,17 +88,52 @@ def running_server(
 
     ``cpu_cores`` pins the server (and every process it forks) to those cores, where the OS allows.
     """
+    with running_module(
+        module_for(chapter), args, name=chapter, env=env, cpu_cores=cpu_cores,
+        startup_timeout_s=startup_timeout_s, log_path=log_path,
+    ) as server:
+        yield server
+
+
+def server_command(module: str, port: int, args: Sequence[str] = ()) -> list[str]:
+    """The exact command line a server is started with (the harness records it)."""
+    return [sys.executable, "-m", module, "--port", str(port), *args]
+
+
+def pin_to_cores(cpu_cores: Sequence[int] | None) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that pins the child to ``cpu_cores``; ``None`` where there is nothing to pin."""
+    if not cpu_cores or not hasattr(os, "sched_setaffinity"):
+        return None
+    return lambda: os.sched_setaffinity(0, set(cpu_cores))
+
+
+@contextmanager
+def running_module(
+    module: str,
+    args: Sequence[str] = (),
+    *,
+    name: str | None = None,
+    env: dict[str, str] | None = None,
+    cpu_cores: Sequence[int] | None = None,
+    startup_timeout_s: float = 180.0,
+    log_path: Path | None = None,
+) -> Iterator[RunningServer]:
+    """Like :func:`running_server` for any module that takes ``--port`` and answers ``GET /healthz``.
+
+    The harness's ceiling server (``benchmarks.trivial_server``) is started this way.
+    """
+    name = name or module.rsplit(".", 1)[-1]
     port = free_port()
     if log_path is None:
-        log_path = Path(tempfile.mkstemp(prefix=f"{chapter}-", suffix=".log")[1])
-    command = [sys.executable, "-m", module_for(chapter), "--port", str(port), *args]
-    preexec = (lambda: os.sched_setaffinity(0, set(cpu_cores))) if cpu_cores and hasattr(os, "sched_setaffinity") else None
+        log_path = Path(tempfile.mkstemp(prefix=f"{name}-", suffix=".log")[1])
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, preexec_fn=preexec,
+            server_command(module, port, args), cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, preexec_fn=pin_to_cores(cpu_cores),
         )
-    server = RunningServer(chapter=chapter, url=f"http://127.0.0.1:{port}", process=process, log_path=log_path)
+    server = RunningServer(
+        chapter=name, url=f"http://127.0.0.1:{port}", process=process, log_path=log_path, command=list(process.args)
+    )
     try:
         _wait_until_healthy(server, startup_timeout_s)
         yield server

@@ -1,0 +1,199 @@
+"""python -m benchmarks <command>: measure chapters, draw the climb, keep reference results, fill the READMEs.
+
+    run       one chapter:       --chapter ch02 --profile cpu [--workload long] [--server-arg=--workers=2 --label ch01-workers]
+    climb     every chapter:     --profile auto [--chapters ch01,ch02] [--ceiling] [--save-reference]
+    ceiling   the harness's own limit (Locust against an instant endpoint)
+    report    redraw the table and plots from a results directory
+    reference copy results/<profile>/ to reference/<profile>/ (committed) and redraw there
+    readme    rewrite the <!-- results:KEY --> blocks of README.md and chapters/*/README.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.profiles import PROFILE_NAMES, get_profile, resolve_profile_name
+from benchmarks.results import REFERENCE_ROOT, RESULTS_ROOT
+from benchmarks.workload import WORKLOADS
+
+
+def _levels(text: str) -> list[int]:
+    levels = sorted({int(part) for part in text.split(",") if part.strip()})
+    if not levels or levels[0] < 1:
+        raise argparse.ArgumentTypeError("levels are positive user counts, e.g. 1,8,32")
+    return levels
+
+
+def _add_common(parser: argparse.ArgumentParser, *, profile_default: str = "auto") -> None:
+    parser.add_argument("--profile", choices=PROFILE_NAMES, default=profile_default, help="auto: gpu where CUDA is available, else cpu")
+    parser.add_argument("--out", type=Path, help="results directory (default: benchmarks/results/<profile>)")
+
+
+def _add_measuring(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="default")
+    parser.add_argument("--levels", type=_levels, help="override the profile's concurrency levels, e.g. 1,8")
+    parser.add_argument("--weights", help="override the profile's --weights (dummy, a .safetensors file, a GPT-2 directory)")
+    parser.add_argument("--save-reference", action="store_true", help="also copy the results to benchmarks/reference/<profile>/")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("run", help="benchmark one chapter")
+    run.add_argument("--chapter", required=True)
+    run.add_argument("--server-arg", action="append", default=[], metavar="FLAG",
+                     help="extra server flag, repeatable; write it as --server-arg=--workers=2")
+    run.add_argument("--label", help="name of this variant's results (default: the chapter id)")
+    _add_common(run)
+    _add_measuring(run)
+
+    climb = commands.add_parser("climb", help="benchmark every chapter in order, then the table and plots")
+    climb.add_argument("--chapters", type=lambda text: [c.strip() for c in text.split(",") if c.strip()])
+    climb.add_argument("--ceiling", action="store_true", help="measure the harness's ceiling first")
+    _add_common(climb)
+    _add_measuring(climb)
+
+    ceiling = commands.add_parser("ceiling", help="the load generator's own ceiling against an instant endpoint")
+    ceiling.add_argument("--save-reference", action="store_true")
+    _add_common(ceiling)
+
+    report = commands.add_parser("report", help="redraw the table and plots from existing results")
+    report.add_argument("--workload", choices=sorted(WORKLOADS), default="default")
+    report.add_argument("--reference", action="store_true", help="read benchmarks/reference/<profile>/ instead")
+    _add_common(report, profile_default="cpu")
+
+    reference = commands.add_parser("reference", help="copy results/<profile>/ to reference/<profile>/ and redraw")
+    reference.add_argument("--labels", type=lambda text: [c.strip() for c in text.split(",") if c.strip()],
+                           help="only these runs (default: every result of the profile, the ceiling included)")
+    _add_common(reference, profile_default="cpu")
+
+    readme = commands.add_parser("readme", help="rewrite the results blocks of the READMEs from reference results")
+    readme.add_argument("--profile", choices=("smoke", "cpu", "gpu"), default="cpu")
+    readme.add_argument("--dir", type=Path, help="results to use (default: benchmarks/reference/<profile>)")
+    readme.add_argument("files", nargs="*", type=Path, help="default: README.md and chapters/*/README.md")
+    return parser
+
+
+def _print_report(directory: Path, workload: str, notes: dict[str, str] | None = None) -> None:
+    from benchmarks.report import write_report
+
+    files = write_report(directory, workload, notes)
+    print()
+    print(files.markdown)
+    print(f"table: {files.table}\nplots: {files.climb_png}\n       {files.latency_png}")
+
+
+def _save_reference(paths: list[Path], profile: str) -> None:
+    from benchmarks.reference import save_reference
+
+    for files in save_reference(paths, profile):
+        print(f"reference results saved: {files.table.parent}")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from benchmarks.harness import chapter_is_built, run_chapter
+
+    if not chapter_is_built(args.chapter):
+        print(f"{args.chapter}: not built yet (no chapters/<folder>/__main__.py), nothing to measure", file=sys.stderr)
+        return 2
+    profile = get_profile(args.profile)
+    result, path = run_chapter(
+        args.chapter, profile, workload=args.workload, extra_server_args=args.server_arg, label=args.label,
+        out_dir=args.out, levels=args.levels, weights=args.weights,
+    )
+    _print_report(path.parent, args.workload)
+    if args.save_reference:
+        _save_reference([path], profile.name)
+    return 0
+
+
+def cmd_climb(args: argparse.Namespace) -> int:
+    from benchmarks.harness import climb, results_dir
+
+    profile = get_profile(args.profile)
+    print(f"climb on the {profile.name!r} profile (asked: {args.profile}), workload {args.workload!r}")
+    began = time.monotonic()
+    saved: list[Path] = []
+    if args.ceiling:
+        from benchmarks.ceiling import run_ceiling
+
+        saved.append(run_ceiling(profile, out_dir=args.out)[1])
+    outcome = climb(
+        profile, chapters=args.chapters, workload=args.workload, out_dir=args.out, levels=args.levels, weights=args.weights
+    )
+    print(f"climb finished in {time.monotonic() - began:.0f} s")
+    notes = {chapter: "failed" for chapter in outcome.failed}
+    _print_report(results_dir(profile, args.out), args.workload, notes)
+    for chapter, error in outcome.failed.items():
+        print(f"FAILED {chapter}: {error[:500]}", file=sys.stderr)
+    if args.save_reference:
+        _save_reference([*saved, *outcome.written.values()], profile.name)
+    return 1 if outcome.failed else 0
+
+
+def cmd_ceiling(args: argparse.Namespace) -> int:
+    from benchmarks.ceiling import run_ceiling
+
+    profile = get_profile(args.profile)
+    _, path = run_ceiling(profile, out_dir=args.out)
+    if args.save_reference:
+        _save_reference([path], profile.name)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    profile = resolve_profile_name(args.profile)
+    root = REFERENCE_ROOT if args.reference else RESULTS_ROOT
+    directory = args.out or root / profile
+    if not directory.exists():
+        print(f"no results in {directory}", file=sys.stderr)
+        return 2
+    _print_report(directory, args.workload)
+    return 0
+
+
+def cmd_reference(args: argparse.Namespace) -> int:
+    from benchmarks.results import load_result
+
+    profile = resolve_profile_name(args.profile)
+    source = args.out or RESULTS_ROOT / profile
+    paths = sorted(source.glob("*.json"))
+    if args.labels:
+        paths = [p for p in paths if load_result(p).label in args.labels]
+    if not paths:
+        print(f"no results to save in {source}", file=sys.stderr)
+        return 2
+    _save_reference(paths, profile)
+    return 0
+
+
+def cmd_readme(args: argparse.Namespace) -> int:
+    from benchmarks.readme_blocks import update_readmes
+
+    changed = update_readmes(args.files or None, profile=args.profile, directory=args.dir)
+    for path in changed:
+        print(f"rewrote {path}")
+    if not changed:
+        print("no results block changed")
+    return 0
+
+
+COMMANDS = {
+    "run": cmd_run, "climb": cmd_climb, "ceiling": cmd_ceiling,
+    "report": cmd_report, "reference": cmd_reference, "readme": cmd_readme,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return COMMANDS[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""The Locust workload: every simulated user sends inference requests back to back (a closed loop).
+
+Closed loop: a user sends its next request the moment the previous answer arrives (no think time),
+so the number of requests in flight is always the number of users, and "concurrency 32" means
+exactly 32 outstanding requests. Throughput is then what the server sustains at that concurrency,
+and latency is what a request waits at it.
+
+Run by the harness as a subprocess (``python -m benchmarks run ...``) and configured through
+environment variables, or by hand for exploring:
+
+    locust -f benchmarks/locustfile.py --host http://127.0.0.1:8000 --headless -u 8 -r 8 -t 20s
+
+Environment (all optional):
+    SFS_BENCH_WORKLOAD         default | long (see benchmarks/workload.py)
+    SFS_BENCH_SEED             seeds every user's prompt sequence (user i: seed, i)
+    SFS_BENCH_VOCAB_SIZE       output ids must lie in [0, this)
+    SFS_BENCH_TIMEOUT_S        a request with no answer by then fails (status 0)
+    SFS_BENCH_RECORDS          write every request's timing and outcome to this JSON file
+    SFS_BENCH_TARGET_REQUESTS  stop early once this many successful requests finished inside the
+                               steady-state window (0: no early stop) ...
+    SFS_BENCH_MIN_SECONDS      ... but never before this many seconds after the window opened
+    SFS_BENCH_MAX_SECONDS      stop this many seconds after the window opened (0: only Locust's -t)
+
+Every response is checked (status 200, exactly max_new_tokens ids, ids inside the vocabulary);
+failures are reported to Locust with ``catch_response`` and counted by status code in the records.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+
+import gevent
+from locust import FastHttpUser, constant, events, task
+
+from benchmarks.workload import DEFAULT_SEED, PromptStream, check_response, get_workload
+
+WORKLOAD = get_workload(os.environ.get("SFS_BENCH_WORKLOAD", "default"))
+SEED = int(os.environ.get("SFS_BENCH_SEED", DEFAULT_SEED))
+VOCAB_SIZE = int(os.environ.get("SFS_BENCH_VOCAB_SIZE", 258))
+TIMEOUT_S = float(os.environ.get("SFS_BENCH_TIMEOUT_S", 120))
+RECORDS_PATH = os.environ.get("SFS_BENCH_RECORDS")
+TARGET_REQUESTS = int(os.environ.get("SFS_BENCH_TARGET_REQUESTS", 0))
+MIN_SECONDS = float(os.environ.get("SFS_BENCH_MIN_SECONDS", 0))
+MAX_SECONDS = float(os.environ.get("SFS_BENCH_MAX_SECONDS", 0))
+
+
+class Run:
+    """What this Locust process measured: one record per finished request, plus the window's edges.
+
+    The steady-state window opens once every user has had its first answer: the first round of
+    requests arrives all at once and waits behind fewer others than any later one, so it is left
+    out (of the latency sample, and of the throughput window, which starts with a full queue).
+    """
+
+    users_total: int | None = None  # known once Locust has started every user
+    users_answered: set[int] = set()  # users whose first request has finished
+    steady_at: float | None = None  # wall clock when the window opens
+    stopping_at: float | None = None  # wall clock when the stop began: the window closes
+    # [start wall time, latency s, status, ok, output tokens, failure reason or None]
+    requests: list[list] = []
+    measured_ok = 0  # successes finished inside the window: the sample so far
+    stopped_by = "time_limit"  # or "request_target" when the sample was big enough before the time was up
+
+    @classmethod
+    def open_window_if_steady(cls) -> None:
+        if cls.steady_at is None and cls.users_total is not None and len(cls.users_answered) >= cls.users_total:
+            cls.steady_at = time.time()
+
+
+_user_numbers = itertools.count()
+
+
+class InferenceUser(FastHttpUser):
+    wait_time = constant(0)  # closed loop: the next request leaves as soon as the answer is in
+    network_timeout = TIMEOUT_S
+    connection_timeout = TIMEOUT_S
+
+    def on_start(self) -> None:
+        self.number = next(_user_numbers)
+        self.prompts = PromptStream(WORKLOAD, SEED, self.number)
+
+    @task
+    def infer(self) -> None:
+        body = self.prompts.next_body()
+        started_wall, started = time.time(), time.perf_counter()
+        with self.client.post("/v1/inference", json=body, catch_response=True, name="/v1/inference") as response:
+            latency_s = time.perf_counter() - started
+            status = response.status_code or 0  # 0: no HTTP answer (refused, reset, timed out)
+            try:
+                payload = response.json() if status == 200 else None
+            except ValueError:
+                payload = None
+            reason = check_response(status, payload, WORKLOAD.max_new_tokens, VOCAB_SIZE)
+            if reason is None:
+                response.success()
+            else:
+                response.failure(reason)
+        tokens = len(payload["output_ids"]) if reason is None else 0
+        Run.requests.append([started_wall, latency_s, status, reason is None, tokens, reason])
+        if reason is None and Run.steady_at is not None:  # finished inside the window
+            Run.measured_ok += 1
+        if self.number not in Run.users_answered:
+            Run.users_answered.add(self.number)
+            Run.open_window_if_steady()
+
+
+def _stop_when_measured(environment) -> None:
+    """End the level by the window's own clock: the sample is big enough (after the minimum time), or time is up.
+
+    Timing the window, not the whole run, gives every level the same measuring time however long
+    its first round took (64 users of a slow server can take seconds to all get a first answer).
+    Locust's -t still bounds the whole run.
+    """
+    while True:
+        gevent.sleep(0.05)
+        if Run.steady_at is None:
+            continue
+        elapsed = time.time() - Run.steady_at
+        enough = TARGET_REQUESTS > 0 and Run.measured_ok >= TARGET_REQUESTS and elapsed >= MIN_SECONDS
+        out_of_time = MAX_SECONDS > 0 and elapsed >= MAX_SECONDS
+        if enough or out_of_time:
+            Run.stopped_by = "request_target" if enough else "time_limit"
+            environment.runner.quit()
+            return
+
+
+@events.spawning_complete.add_listener
+def _on_spawning_complete(user_count: int, **_kwargs) -> None:
+    Run.users_total = user_count
+    Run.open_window_if_steady()
+    if TARGET_REQUESTS > 0 or MAX_SECONDS > 0:
+        gevent.spawn(_stop_when_measured, _environment)
+
+
+_environment = None  # Locust's Environment, kept at init: the spawning_complete event does not pass it
+
+
+@events.init.add_listener
+def _on_init(environment, **_kwargs) -> None:
+    global _environment
+    _environment = environment
+
+
+# test_stopping fires before the users are stopped (Locust >= 2.16); older versions only have test_stop.
+@getattr(events, "test_stopping", events.test_stop).add_listener
+def _on_stopping(**_kwargs) -> None:
+    if Run.stopping_at is None:
+        Run.stopping_at = time.time()
+
+
+@events.quitting.add_listener
+def _write_records(**_kwargs) -> None:
+    if not RECORDS_PATH:
+        return
+    with open(RECORDS_PATH, "w") as handle:
+        json.dump(
+            {
+                "workload": WORKLOAD.name,
+                "max_new_tokens": WORKLOAD.max_new_tokens,
+                "steady_at": Run.steady_at,
+                "stopping_at": Run.stopping_at,
+                "stopped_by": Run.stopped_by,
+                "requests": Run.requests,
+            },
+            handle,
+        )

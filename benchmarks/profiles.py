@@ -1,0 +1,113 @@
+"""Benchmark profiles: which model, which loads, how long, on which cores. Every chapter gets the same one.
+
+``smoke``  CI: a 2-3 s window per level (5-6 s with Locust's start), two levels, random weights: it
+           checks that the harness works, its figures mean nothing.
+``cpu``    the main job on a laptop: the embedded default model, concurrency 1/8/32/64. A level ends
+           once 200 successful requests were measured (at least 6 s, at most 25 s), so the whole
+           climb of six chapters stays under 15 minutes on 2 cores while every saturated level
+           has a P99 sample of 200 or more.
+``gpu``    the article's comparison: the GPT-2 (124 M) shape on CUDA, random weights unless
+           ``SFS_BENCH_GPT2_WEIGHTS`` names a local Hugging Face GPT-2 directory, loads up to 256.
+``auto``   ``gpu`` where torch sees CUDA, else ``cpu``.
+
+Fairness: every chapter of a profile runs with the same model flags, the same ``--torch-threads``
+and OMP/MKL/OpenBLAS thread variables, and (where ``pin_cores``) the same cores. Pinning puts the
+load generator on the last core and the server on the others, so the client never steals the
+server's CPU (2 cores: server on core 0, Locust on core 1).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+GPT2_WEIGHTS_ENV = "SFS_BENCH_GPT2_WEIGHTS"
+TINY_VOCAB = 258
+GPT2_VOCAB = 50257
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    levels: tuple[int, ...]  # closed-loop users = requests in flight
+    min_level_s: float  # a level never stops earlier (after its last user started) ...
+    max_level_s: float  # ... nor later
+    target_requests: int  # ... and stops early once this many successful requests were measured
+    model_args: tuple[str, ...]  # model and device flags, identical for every chapter
+    vocab_size: int  # responses' ids must lie in [0, vocab_size)
+    torch_threads: int
+    pin_cores: bool
+    server_core_budget: int | None  # cores given to the server when pinned; None: all but the load generator's
+    warmup_requests: int
+    request_timeout_s: float = 120.0
+
+    def thread_env(self) -> dict[str, str]:
+        """Thread variables for the server: native libraries must not spread beyond the budget either."""
+        n = str(self.torch_threads)
+        return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "OPENBLAS_NUM_THREADS": n}
+
+    def server_args(self) -> list[str]:
+        return [*self.model_args, f"--torch-threads={self.torch_threads}"]
+
+    def core_plan(self, available: list[int] | None = None) -> tuple[list[int] | None, list[int] | None]:
+        """``(server_cores, loadgen_cores)``; ``(None, None)`` when not pinning or with fewer than 2 cores."""
+        available = sorted(available if available is not None else _usable_cores())
+        if not self.pin_cores or len(available) < 2:
+            return None, None
+        loadgen = available[-1:]
+        others = available[:-1]
+        server = others if self.server_core_budget is None else others[: self.server_core_budget]
+        return server, loadgen
+
+
+def _usable_cores() -> list[int]:
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def _gpu_model_args() -> tuple[str, ...]:
+    weights = os.environ.get(GPT2_WEIGHTS_ENV)
+    if weights:
+        return (f"--weights={weights}", "--device=cuda")
+    return ("--weights=dummy", "--preset=gpt2", "--device=cuda")
+
+
+def build_profiles() -> dict[str, Profile]:
+    """The profiles, built now (the gpu profile reads its weights' environment variable)."""
+    return {
+        "smoke": Profile(
+            name="smoke", levels=(1, 4), min_level_s=2.0, max_level_s=3.0, target_requests=10,
+            model_args=("--weights=dummy", "--preset=tiny", "--device=cpu"), vocab_size=TINY_VOCAB,
+            torch_threads=1, pin_cores=True, server_core_budget=1, warmup_requests=4,
+        ),
+        "cpu": Profile(
+            name="cpu", levels=(1, 8, 32, 64), min_level_s=6.0, max_level_s=25.0, target_requests=200,
+            model_args=("--weights=default", "--device=cpu"), vocab_size=TINY_VOCAB,
+            torch_threads=1, pin_cores=True, server_core_budget=1, warmup_requests=8,
+        ),
+        "gpu": Profile(
+            name="gpu", levels=(1, 8, 32, 64, 128, 256), min_level_s=5.0, max_level_s=20.0, target_requests=400,
+            model_args=_gpu_model_args(), vocab_size=GPT2_VOCAB,
+            # The model runs on the GPU; CPU threads only feed it, and one per process avoids oversubscription.
+            torch_threads=1, pin_cores=True, server_core_budget=None, warmup_requests=16,
+        ),
+    }
+
+
+PROFILE_NAMES = ("smoke", "cpu", "gpu", "auto")
+
+
+def resolve_profile_name(name: str) -> str:
+    """``auto`` -> ``gpu`` where CUDA is available, else ``cpu``; other names pass through (checked)."""
+    if name not in PROFILE_NAMES:
+        raise KeyError(f"unknown profile {name!r}; known: {', '.join(PROFILE_NAMES)}")
+    if name != "auto":
+        return name
+    import torch  # imported here: only auto needs it, and it takes a second to import
+
+    return "gpu" if torch.cuda.is_available() else "cpu"
+
+
+def get_profile(name: str) -> Profile:
+    return build_profiles()[resolve_profile_name(name)]

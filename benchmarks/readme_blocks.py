@@ -1,0 +1,203 @@
+"""Rewrite the measured-results blocks of the READMEs from the committed reference results.
+
+A README marks where figures go, and never holds a hand-written number:
+
+    <!-- results:ch03 -->
+    (generated: ch03 against ch02, the ratio, the command that reproduces it, the file it came from)
+    <!-- /results -->
+
+Keys: ``climb`` (the whole table and the plots, for the main README), a chapter id (``ch03``: that
+chapter against the previous measured chapter), or a variant's label (``ch01-workers``: the variant
+against its own chapter). A key may name its profile, ``climb@gpu``; otherwise the command's
+``--profile`` (default ``cpu``) applies. ``python -m benchmarks readme`` rewrites every block in
+``README.md`` and ``chapters/*/README.md``; text outside the markers is left byte for byte.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from benchmarks.report import (
+    ARTICLE_CHAPTERS,
+    TableRow,
+    ceiling_line,
+    environment_line,
+    measured_row,
+    missing_chapter_notes,
+    render_table,
+    report_names,
+)
+from benchmarks.results import (
+    REFERENCE_ROOT,
+    REPO_ROOT,
+    BenchmarkResult,
+    load_results,
+    result_filename,
+)
+
+BLOCK = re.compile(r"(?P<open><!-- results:(?P<key>[A-Za-z0-9_.@\-]+) -->)(?P<body>.*?)(?P<close><!-- /results -->)", re.S)
+
+
+def rewrite_blocks(text: str, render: Callable[[str], str]) -> str:
+    """``text`` with every block's body replaced by ``render(key)``; markers and the rest untouched."""
+
+    def replace(match: re.Match) -> str:
+        return f"{match['open']}\n{render(match['key']).strip()}\n{match['close']}"
+
+    return BLOCK.sub(replace, text)
+
+
+def block_keys(text: str) -> list[str]:
+    return [match["key"] for match in BLOCK.finditer(text)]
+
+
+def _relative(target: Path, readme: Path) -> str:
+    return Path(os.path.relpath(target, readme.parent)).as_posix()
+
+
+def _repo_path(path: Path) -> str:
+    try:
+        return path.resolve().relative_to(REPO_ROOT).as_posix()
+    except ValueError:
+        return path.as_posix()
+
+
+def _cells(row: TableRow) -> list[str]:
+    latency = lambda v: "—" if v is None else f"{v:,.0f}"  # noqa: E731
+    return [
+        f"{row.qps:,.1f}" if row.qps is not None else "—", latency(row.p50_ms), latency(row.p99_ms),
+        latency(row.tokens_per_s), str(row.users), str(row.errors),
+    ]
+
+
+def _ratio(this: float | None, before: float | None) -> str:
+    if this is None or not before:
+        return "—"
+    return f"{this / before:.2f}×"
+
+
+def comparison_block(
+    this: BenchmarkResult, before: BenchmarkResult | None, directory: Path, readme: Path, profile: str
+) -> str:
+    """This run against the one before it (previous chapter, or a variant's own chapter), ratio and provenance."""
+    this_row = measured_row(this, None)
+    lines = [
+        "| run | QPS | P50 (ms) | P99 (ms) | tokens/s | users | errors |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    if before is not None:
+        before_row = measured_row(before, None)
+        lines.append(f"| {before.label} | " + " | ".join(_cells(before_row)) + " |")
+    lines.append(f"| **{this.label}** | " + " | ".join(_cells(this_row)) + " |")
+    if before is not None:
+        ratios = [
+            _ratio(this_row.qps, before_row.qps), _ratio(this_row.p50_ms, before_row.p50_ms),
+            _ratio(this_row.p99_ms, before_row.p99_ms), _ratio(this_row.tokens_per_s, before_row.tokens_per_s),
+        ]
+        lines.append(f"| {this.label} / {before.label} | " + " | ".join(ratios) + " | | |")
+    lines += ["", environment_line({this.label: this})]
+    lines += ["", f"Reproduce: `{this.config.reproduce}`" + (f" and `{before.config.reproduce}`" if before else "")]
+    files = [this, before] if before else [this]
+    links = ", ".join(
+        f"[`{_repo_path(directory / _file(r))}`]({_relative(directory / _file(r), readme)})" for r in files
+    )
+    lines.append(f"Results: {links} (profile `{profile}`, reference results; rewritten by `python -m benchmarks readme`).")
+    return "\n".join(lines)
+
+
+def _file(result: BenchmarkResult) -> str:
+    return result_filename(result.label, result.workload)
+
+
+def previous_result(key: str, results: Mapping[str, BenchmarkResult]) -> BenchmarkResult | None:
+    """A variant's own chapter; a chapter's closest earlier chapter that has a result."""
+    this = results[key]
+    if this.label != this.chapter:
+        return results.get(this.chapter)
+    earlier = [label for label, r in results.items() if r.label == r.chapter and label < key]
+    return results[max(earlier)] if earlier else None
+
+
+def climb_block(results: Mapping[str, BenchmarkResult], directory: Path, readme: Path, profile: str) -> str:
+    order = sorted(set(ARTICLE_CHAPTERS) | {r.chapter for r in results.values()})
+    notes = {c: ("no reference result yet" if n == "not measured" else n) for c, n in missing_chapter_notes(order).items()}
+    table = render_table(results, order, notes, ceiling_line(directory))
+    _, climb_png, latency_png = report_names("default")
+    parts = []
+    if not results:
+        parts.append(
+            f"*No reference results for the `{profile}` profile yet: `python -m benchmarks climb --profile {profile} "
+            f"--ceiling --save-reference` records them (the article's figures are shown alone).*"
+        )
+    parts.append(table.strip())
+    images = [
+        f"![{alt}]({_relative(directory / name, readme)})"
+        for name, alt in ((climb_png, "QPS and P99 per chapter, beside the article's"),
+                          (latency_png, "P50 and P99 against load, knees circled"))
+        if (directory / name).exists()
+    ]
+    if images:
+        parts.append("\n".join(images))
+    parts.append(
+        f"Reproduce: `make climb PROFILE={profile}` (= `python -m benchmarks climb --profile {profile}`). "
+        f"Reference results: [`{_repo_path(directory)}/`]({_relative(directory, readme)}/) "
+        f"(rewritten by `python -m benchmarks readme --profile {profile}`)."
+    )
+    return "\n\n".join(parts)
+
+
+def render_key(key: str, results: Mapping[str, BenchmarkResult], directory: Path, readme: Path, profile: str) -> str:
+    if key == "climb":
+        return climb_block(results, directory, readme, profile)
+    if key in results:
+        return comparison_block(results[key], previous_result(key, results), directory, readme, profile)
+    if re.fullmatch(r"ch\d\d", key):
+        command = f"python -m benchmarks run --chapter {key} --profile {profile} --save-reference"
+    else:  # a variant: its flags live in the chapter's README, next to this block
+        command = f"python -m benchmarks run --chapter chNN --profile {profile} --server-arg=... --label {key} --save-reference"
+    return f"*No reference result for `{key}` on the `{profile}` profile yet: `{command}` records one.*"
+
+
+def default_readmes() -> list[Path]:
+    return [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "chapters").glob("*/README.md"))]
+
+
+def split_key(key: str, default_profile: str) -> tuple[str, str]:
+    """``climb@gpu`` -> ``("climb", "gpu")``; ``ch03`` -> ``("ch03", default_profile)``."""
+    name, _, profile = key.partition("@")
+    return name, profile or default_profile
+
+
+def update_readmes(
+    readmes: Sequence[Path] | None = None, profile: str = "cpu", directory: Path | None = None
+) -> list[Path]:
+    """Rewrite the blocks of ``readmes`` from the reference results (``directory`` overrides where they are).
+
+    Each block reads ``<reference>/<profile>/``, its key's profile or ``profile``. Returns the files
+    that changed; files without blocks are left alone.
+    """
+    loaded: dict[Path, dict[str, BenchmarkResult]] = {}
+
+    def results_in(where: Path) -> dict[str, BenchmarkResult]:
+        if where not in loaded:
+            loaded[where] = load_results(where) if where.exists() else {}
+        return loaded[where]
+
+    def render(key: str, readme: Path) -> str:
+        name, block_profile = split_key(key, profile)
+        where = directory if directory is not None and block_profile == profile else REFERENCE_ROOT / block_profile
+        return render_key(name, results_in(where), where, readme, block_profile)
+
+    changed = []
+    for readme in readmes if readmes is not None else default_readmes():
+        if not readme.exists():
+            continue
+        text = readme.read_text()
+        updated = rewrite_blocks(text, lambda key, readme=readme: render(key, readme))
+        if updated != text:
+            readme.write_text(updated)
+            changed.append(readme)
+    return changed

@@ -1,0 +1,32 @@
+"""Reference results: runs copied to ``benchmarks/reference/<profile>/`` to be committed with their environment.
+
+The notebooks and the READMEs read only these, so they have data on a fresh clone and a learner can
+compare a run of their own with them. The report (table and plots) is regenerated there from every
+reference JSON of the profile, so a chapter saved alone joins the ones already saved.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+from benchmarks.report import ReportFiles, write_report
+from benchmarks.results import REFERENCE_ROOT, load_result
+
+
+def save_reference(result_files: Sequence[Path], profile: str, reference_root: Path = REFERENCE_ROOT) -> list[ReportFiles]:
+    """Copy ``result_files`` (validated) to ``<reference_root>/<profile>/`` and rewrite the report there.
+
+    Returns the regenerated report of every workload the copied files belong to.
+    """
+    destination = reference_root / profile
+    destination.mkdir(parents=True, exist_ok=True)
+    workloads = set()
+    for path in result_files:
+        result = load_result(path)  # never commit a file that does not match the schema
+        if result.profile != profile:
+            raise ValueError(f"{path} is a {result.profile!r} result, not {profile!r}")
+        shutil.copyfile(path, destination / Path(path).name)
+        workloads.add(result.workload)
+    return [write_report(destination, workload) for workload in sorted(workloads)]

@@ -1,0 +1,477 @@
+"""The climb report: the markdown table, ``climb.png`` and ``latency_vs_load.png``, from results JSON files.
+
+Everything here reads results and draws; nothing measures. The notebook uses the same functions.
+
+Definitions used throughout:
+- *saturation*: the level with the highest successful QPS; a chapter's QPS, P50, P99 and tokens/s
+  in the table are that level's.
+- plots are :class:`matplotlib.figure.Figure` objects, not pyplot: ``savefig`` renders them with the
+  Agg backend whatever backend is active (none on servers and CI), and nothing global is left open.
+  A notebook shows them with ``display(figure)``.
+- *knee* (:func:`find_knee`): the highest load before the first level at which P99 exceeds twice
+  its value at the lowest load, or QPS stops growing (gains less than 10 % over the level below).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+from matplotlib.figure import Figure
+
+from benchmarks.article import ARTICLE, ARTICLE_CHAPTERS, BASELINE
+from benchmarks.harness import chapter_is_built
+from benchmarks.results import BenchmarkResult, load_ceiling, load_results
+
+LOADGEN_CPU_WARNING_PERCENT = 80.0
+P99_KNEE_FACTOR = 2.0
+QPS_MIN_GAIN = 0.10
+
+
+# --------------------------------------------------------------------------------------------
+# The knee
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Knee:
+    """``index`` into the levels (sorted by load); ``reasons`` empty when no level tested broke."""
+
+    index: int
+    users: int
+    reasons: tuple[str, ...]  # "p99_doubled", "qps_flat"
+
+    @property
+    def reached(self) -> bool:
+        return bool(self.reasons)
+
+
+def find_knee(
+    users: Sequence[int], qps: Sequence[float], p99_ms: Sequence[float],
+    *, p99_factor: float = P99_KNEE_FACTOR, min_gain: float = QPS_MIN_GAIN,
+) -> Knee:
+    """The highest load before the first level that breaks; levels must be sorted by ``users``.
+
+    Level ``i`` (``i >= 1``) breaks when ``p99_ms[i] > p99_factor * p99_ms[0]`` (latency doubled
+    against the lowest load) or ``qps[i] < (1 + min_gain) * qps[i - 1]`` (QPS stopped growing:
+    less than a 10 % gain over the level below). The knee is level ``i - 1``. When no level breaks,
+    the knee is the highest level with no reasons: it lies beyond the loads tested.
+    """
+    if not users:
+        raise ValueError("no levels")
+    if list(users) != sorted(users):
+        raise ValueError(f"levels must be sorted by load, got {list(users)}")
+    for i in range(1, len(users)):
+        reasons = []
+        if p99_ms[i] > p99_factor * p99_ms[0]:
+            reasons.append("p99_doubled")
+        if qps[i] - qps[i - 1] < min_gain * qps[i - 1]:  # a gain of exactly 10 % still counts as growth
+            reasons.append("qps_flat")
+        if reasons:
+            return Knee(index=i - 1, users=users[i - 1], reasons=tuple(reasons))
+    return Knee(index=len(users) - 1, users=users[-1], reasons=())
+
+
+def knee_of(result: BenchmarkResult) -> Knee | None:
+    levels = sorted((lvl for lvl in result.levels if lvl.latency_ms is not None), key=lambda lvl: lvl.users)
+    if not levels:
+        return None
+    return find_knee([lvl.users for lvl in levels], [lvl.qps for lvl in levels], [lvl.latency_ms.p99 for lvl in levels])
+
+
+# --------------------------------------------------------------------------------------------
+# The table
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TableRow:
+    label: str
+    chapter: str
+    measured: bool
+    note: str  # why a chapter has no figures ("not built yet")
+    users: int | None = None  # the saturation level
+    qps: float | None = None
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    tokens_per_s: float | None = None
+    errors: int = 0
+    errors_by_status: tuple[tuple[str, int], ...] = ()
+    ratio_to_baseline: float | None = None
+    knee_users: int | None = None
+    knee_reached: bool = False
+    article_qps: float | None = None
+    article_p99_ms: float | None = None
+    article_ratio: float | None = None
+
+
+def _errors(result: BenchmarkResult) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for level in result.levels:
+        for status, count in level.errors_by_status.items():
+            total[status] = total.get(status, 0) + count
+    return dict(sorted(total.items()))
+
+
+def measured_row(result: BenchmarkResult, baseline_qps: float | None) -> TableRow:
+    saturation = result.saturation()
+    errors = _errors(result)
+    knee = knee_of(result)
+    return TableRow(
+        label=result.label, chapter=result.chapter, measured=True, note="",
+        users=saturation.users if saturation else None,
+        qps=saturation.qps if saturation else None,
+        p50_ms=saturation.latency_ms.p50 if saturation and saturation.latency_ms else None,
+        p99_ms=saturation.latency_ms.p99 if saturation and saturation.latency_ms else None,
+        tokens_per_s=saturation.tokens_per_s if saturation else None,
+        errors=sum(errors.values()), errors_by_status=tuple(errors.items()),
+        ratio_to_baseline=(saturation.qps / baseline_qps) if saturation and baseline_qps else None,
+        knee_users=knee.users if knee else None, knee_reached=bool(knee and knee.reached),
+        **_article_fields(result.label),  # a variant's label is not a chapter: no article figures
+    )
+
+
+def _article_fields(chapter: str) -> dict:
+    article = ARTICLE.get(chapter)
+    if article is None:
+        return {}
+    return {
+        "article_qps": article.qps,
+        "article_p99_ms": article.p99_s * 1e3,
+        "article_ratio": article.qps / ARTICLE[BASELINE].qps,
+    }
+
+
+def build_rows(
+    results: Mapping[str, BenchmarkResult], chapters: Sequence[str] | None = None,
+    missing_notes: Mapping[str, str] | None = None,
+) -> list[TableRow]:
+    """One row per chapter of ``chapters`` (default: the article's and every measured one), in order.
+
+    Only main results count here (label == chapter); variants go to :func:`build_variant_rows`.
+    A chapter without a result gets a row with the article's figures and a note (``missing_notes``,
+    default "not measured").
+    """
+    main = {label: r for label, r in results.items() if r.label == r.chapter}
+    order = list(chapters) if chapters is not None else sorted(set(ARTICLE_CHAPTERS) | set(main))
+    baseline = main.get(BASELINE)
+    baseline_qps = baseline.saturation().qps if baseline and baseline.saturation() else None
+    rows = []
+    for chapter in order:
+        if chapter in main:
+            rows.append(measured_row(main[chapter], baseline_qps))
+        else:
+            note = (missing_notes or {}).get(chapter, "not measured")
+            rows.append(TableRow(label=chapter, chapter=chapter, measured=False, note=note, **_article_fields(chapter)))
+    return rows
+
+
+def build_variant_rows(results: Mapping[str, BenchmarkResult]) -> list[tuple[TableRow, float | None]]:
+    """Variants (label != chapter) with their QPS ratio to their own chapter's main result."""
+    rows = []
+    for label in sorted(results):
+        result = results[label]
+        if result.label == result.chapter:
+            continue
+        base = results.get(result.chapter)
+        base_qps = base.saturation().qps if base and base.saturation() else None
+        row = measured_row(result, None)
+        rows.append((row, (row.qps / base_qps) if row.qps is not None and base_qps else None))
+    return rows
+
+
+def _fmt(value: float | None, digits: int = 0, suffix: str = "") -> str:
+    if value is None:
+        return "—"
+    return f"{value:,.{digits}f}{suffix}"
+
+
+def _errors_cell(row: TableRow) -> str:
+    if not row.measured:
+        return "—"
+    if not row.errors:
+        return "0"
+    detail = ", ".join(f"{status}: {count}" for status, count in row.errors_by_status)
+    return f"{row.errors} ({detail})"
+
+
+def _knee_cell(row: TableRow) -> str:
+    if row.knee_users is None:
+        return "—"
+    return str(row.knee_users) if row.knee_reached else f"> {row.knee_users}"
+
+
+TABLE_HEADER = (
+    "| chapter | QPS | P50 (ms) | P99 (ms) | tokens/s | users | knee (users) | errors | × ch01 "
+    "| article QPS | article P99 (ms) | article × ch01 |"
+)
+
+
+def render_rows(rows: Sequence[TableRow]) -> list[str]:
+    lines = [TABLE_HEADER, "|" + "---|" * TABLE_HEADER.count(" | ") + "---|"]
+    for row in rows:
+        if row.measured:
+            cells = [
+                row.label, _fmt(row.qps, 1), _fmt(row.p50_ms), _fmt(row.p99_ms), _fmt(row.tokens_per_s),
+                str(row.users), _knee_cell(row), _errors_cell(row), _fmt(row.ratio_to_baseline, 2, "×"),
+            ]
+        else:
+            cells = [row.label, f"*{row.note}*", "—", "—", "—", "—", "—", "—", "—"]
+        cells += [_fmt(row.article_qps), _fmt(row.article_p99_ms), _fmt(row.article_ratio, 2, "×")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def render_variants(variant_rows: Sequence[tuple[TableRow, float | None]]) -> list[str]:
+    if not variant_rows:
+        return []
+    lines = [
+        "", "Variants (same profile, a chapter with other flags):", "",
+        "| run | chapter | QPS | P50 (ms) | P99 (ms) | users | errors | × its chapter |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row, ratio in variant_rows:
+        lines.append(
+            f"| {row.label} | {row.chapter} | {_fmt(row.qps, 1)} | {_fmt(row.p50_ms)} | {_fmt(row.p99_ms)} "
+            f"| {row.users} | {_errors_cell(row)} | {_fmt(ratio, 2, '×')} |"
+        )
+    return lines
+
+
+def environment_line(results: Mapping[str, BenchmarkResult]) -> str:
+    """One sentence on where the figures come from (from the first result; differences are warned about)."""
+    if not results:
+        return ""
+    first = next(iter(results.values()))
+    env, config = first.environment, first.config
+    where = env.gpu or f"{env.cpu_model} ({env.logical_cores} cores)"
+    pinning = (
+        f"server on cores {env.server_cores}, Locust on {env.loadgen_cores}" if env.pinning else "no core pinning"
+    )
+    commit = (env.git_commit or "unknown")[:10] + (" (dirty)" if env.git_dirty else "")
+    return (
+        f"Profile `{config.profile}`, workload `{config.workload}` ({config.max_new_tokens} new tokens, prompts "
+        f"{'/'.join(map(str, config.prompt_lengths))}), closed loop. Measured on {where}; {pinning}; torch threads "
+        f"{env.torch_threads}; torch {env.torch}; commit {commit}. QPS, latencies and tokens/s at saturation "
+        f"(the level with the highest QPS); knee: last load before P99 doubles or QPS gains < 10 %."
+    )
+
+
+SERVER_WAIT_WARNING_PERCENT = 10.0
+
+
+def warnings_for(results: Mapping[str, BenchmarkResult]) -> list[str]:
+    """What makes a figure doubtful: a busy or starved load generator, a server competing for its cores,
+    a small latency sample, results from different code."""
+    warnings = []
+    for label, result in results.items():
+        for level in result.levels:
+            used, waited = level.loadgen_cpu_percent, level.loadgen_cpu_wait_percent
+            if used is not None and used > LOADGEN_CPU_WARNING_PERCENT:
+                warnings.append(
+                    f"{label} at {level.users} users: the load generator used {used:.0f} % of its core; "
+                    f"this figure may measure Locust, not the server."
+                )
+            elif used is not None and waited is not None and used + waited > LOADGEN_CPU_WARNING_PERCENT:
+                warnings.append(
+                    f"{label} at {level.users} users: the load generator used {used:.0f} % of its core and waited "
+                    f"{waited:.0f} % for it (other processes on its core): this figure may measure the client's starvation."
+                )
+        server_waits = [lvl.server_cpu_wait_percent for lvl in result.levels if lvl.server_cpu_wait_percent is not None]
+        if server_waits and max(server_waits) > SERVER_WAIT_WARNING_PERCENT:
+            warnings.append(
+                f"{label}: the server's threads were ready to run but waiting for a CPU up to {max(server_waits):.0f} % "
+                f"of the time (other processes on its cores, or its own threads queuing for them): on a quiet machine "
+                f"its figures may be better."
+            )
+        load = result.environment.load_average_at_start
+        if not server_waits and load and load[0] > 0.5 * result.environment.logical_cores:
+            warnings.append(
+                f"{label}: load average {load[0]:.1f} at the start on {result.environment.logical_cores} cores: "
+                f"other work on the machine may have slowed it."
+            )
+        small = [lvl.users for lvl in result.levels if lvl.latency_sample < result.config.target_requests]
+        if small:
+            warnings.append(
+                f"{label}: fewer than {result.config.target_requests} requests measured at concurrency "
+                f"{', '.join(map(str, small))} (the level hit its time limit): the P99 there is rough."
+            )
+    profiles = {r.config.profile for r in results.values()}
+    if len(profiles) > 1:
+        warnings.append(f"the results come from different profiles ({', '.join(sorted(profiles))}): they do not compare.")
+    commits = {(r.environment.git_commit, r.environment.git_dirty) for r in results.values()}
+    if len(commits) > 1:
+        warnings.append("the results come from different commits (or dirty trees): compare with care.")
+    return warnings
+
+
+def ceiling_line(directory: Path) -> str:
+    ceiling = load_ceiling(directory)
+    if ceiling is None or not ceiling.levels:
+        return ""
+    top = ceiling.saturation()
+    cpu = f", Locust at {top.loadgen_cpu_percent:.0f} % of its core" if top.loadgen_cpu_percent is not None else ""
+    if top.loadgen_cpu_wait_percent is not None and top.loadgen_cpu_wait_percent > SERVER_WAIT_WARNING_PERCENT:
+        cpu += f" (and waiting {top.loadgen_cpu_wait_percent:.0f} % for it: a busy machine lowers the ceiling)"
+    return (
+        f"Harness ceiling (Locust against an instant endpoint): {top.qps:,.0f} QPS at {top.users} users{cpu}; "
+        f"a chapter near it measures the load generator."
+    )
+
+
+def render_table(
+    results: Mapping[str, BenchmarkResult], chapters: Sequence[str] | None = None,
+    missing_notes: Mapping[str, str] | None = None, ceiling: str = "",
+) -> str:
+    """The whole markdown report: table, variants, where it ran, the ceiling, warnings."""
+    lines = render_rows(build_rows(results, chapters, missing_notes))
+    lines += render_variants(build_variant_rows(results))
+    context = environment_line(results)
+    if context:
+        lines += ["", context]
+    if ceiling:
+        lines += ["", ceiling]
+    warnings = warnings_for(results)
+    if warnings:
+        lines += [""] + [f"- ⚠ {w}" for w in warnings]
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------------
+# The plots
+# --------------------------------------------------------------------------------------------
+
+
+def plot_climb(rows: Sequence[TableRow], axes=None, title: str = "The climb"):
+    """Left: QPS per chapter as bars (measured, article) and P99 as lines on a second axis. Right: the
+    speed-up over ch01, measured beside the article's, where the shapes compare across machines.
+    ``axes``: two matplotlib axes, or None for a new figure. Returns the figure."""
+    if axes is None:
+        axes = Figure(figsize=(14, 5)).subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
+    ax, ratio_ax = axes
+    figure = ax.figure
+    x = list(range(len(rows)))
+    width = 0.38
+    left, right = [i - width / 2 for i in x], [i + width / 2 for i in x]
+    ax.bar(left, [row.qps or 0 for row in rows], width, label="QPS, measured", color="tab:blue")
+    ax.bar(right, [row.article_qps or 0 for row in rows], width, label="QPS, article", color="tab:blue", alpha=0.3,
+           hatch="//")
+    for i, row in enumerate(rows):
+        if not row.measured:
+            ax.annotate(row.note, (left[i], 0), rotation=90, ha="center", va="bottom", fontsize=8, color="gray")
+    ax.set_xticks(x, [row.label for row in rows])
+    ax.set_ylabel("QPS at saturation")
+    ax.set_title(title)
+
+    latency_ax = ax.twinx()
+    measured = [(i, row.p99_ms / 1e3) for i, row in enumerate(rows) if row.p99_ms is not None]
+    article = [(i, row.article_p99_ms / 1e3) for i, row in enumerate(rows) if row.article_p99_ms is not None]
+    if measured:
+        latency_ax.plot(*zip(*measured, strict=True), "o-", color="tab:red", label="P99, measured")
+    if article:
+        latency_ax.plot(*zip(*article, strict=True), "s--", color="tab:red", alpha=0.4, label="P99, article")
+    latency_ax.set_ylabel("P99 latency (s) at saturation")
+    latency_ax.set_ylim(bottom=0)
+    (bar_handles, bar_labels), (line_handles, line_labels) = (
+        ax.get_legend_handles_labels(), latency_ax.get_legend_handles_labels()
+    )
+    ax.legend(bar_handles + line_handles, bar_labels + line_labels, loc="upper left", fontsize=8)
+
+    ratio_ax.bar(left, [row.ratio_to_baseline or 0 for row in rows], width, label="measured", color="tab:green")
+    ratio_ax.bar(right, [row.article_ratio or 0 for row in rows], width, label="article", color="tab:green", alpha=0.3,
+                 hatch="//")
+    ratio_ax.axhline(1.0, color="gray", linewidth=0.8)
+    ratio_ax.set_xticks(x, [row.label for row in rows])
+    ratio_ax.set_ylabel("QPS / QPS of ch01")
+    ratio_ax.set_title("Speed-up over ch01: the shape to compare")
+    ratio_ax.legend(loc="upper left", fontsize=8)
+    figure.tight_layout()
+    return figure
+
+
+def plot_latency_vs_load(results: Mapping[str, BenchmarkResult], axes=None, title: str = "Latency against load"):
+    """P50 and P99 against concurrency for every run, knees circled; variants dashed. Returns the figure."""
+    if axes is None:
+        axes = Figure(figsize=(11, 4.5)).subplots(1, 2, sharey=True)
+    figure = axes[0].figure
+    colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+    for n, label in enumerate(sorted(results)):
+        result = results[label]
+        levels = sorted((lvl for lvl in result.levels if lvl.latency_ms is not None), key=lambda lvl: lvl.users)
+        if not levels:
+            continue
+        users = [lvl.users for lvl in levels]
+        style = "-" if result.label == result.chapter else "--"
+        color = colors[n % len(colors)]
+        knee = knee_of(result)
+        for ax, metric in zip(axes, ("p50", "p99"), strict=True):
+            values = [getattr(lvl.latency_ms, metric) for lvl in levels]
+            ax.plot(users, values, style, marker="o", markersize=4, color=color, label=label)
+            if knee is not None and knee.reached:
+                ax.plot(users[knee.index], values[knee.index], "o", markersize=13, markerfacecolor="none",
+                        markeredgecolor=color, markeredgewidth=2)
+    all_users = sorted({lvl.users for r in results.values() for lvl in r.levels})
+    for ax, metric in zip(axes, ("P50", "P99"), strict=True):
+        ax.set_xscale("log", base=2)
+        if all_users:
+            ax.set_xticks(all_users, [str(u) for u in all_users])
+        ax.set_yscale("log")
+        ax.set_xlabel("concurrency (closed-loop users)")
+        ax.set_title(f"{metric} latency (ms); circle = knee")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("latency (ms)")
+    if results:
+        axes[-1].legend(fontsize=8)
+    figure.suptitle(title)
+    figure.tight_layout()
+    return figure
+
+
+# --------------------------------------------------------------------------------------------
+# The whole report, written next to the results
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReportFiles:
+    table: Path
+    climb_png: Path
+    latency_png: Path
+    markdown: str
+
+
+def report_names(workload: str) -> tuple[str, str, str]:
+    suffix = "" if workload == "default" else f"-{workload}"
+    return f"climb{suffix}.md", f"climb{suffix}.png", f"latency_vs_load{suffix}.png"
+
+
+def missing_chapter_notes(chapters: Sequence[str]) -> dict[str, str]:
+    """Why each chapter has no figures: not built yet, or built but not measured in this directory."""
+    return {chapter: ("not measured" if chapter_is_built(chapter) else "not built yet") for chapter in chapters}
+
+
+def write_report(directory: Path, workload: str = "default", extra_notes: Mapping[str, str] | None = None) -> ReportFiles:
+    """Read every result of ``workload`` in ``directory``; write the table and both plots there."""
+    directory = Path(directory)
+    results = load_results(directory, workload)
+    order = sorted(set(ARTICLE_CHAPTERS) | {r.chapter for r in results.values()})
+    notes = {**missing_chapter_notes(order), **(extra_notes or {})}
+    markdown = render_table(results, order, notes, ceiling_line(directory))
+    table_name, climb_name, latency_name = report_names(workload)
+    profile = next(iter(results.values())).config.profile if results else directory.name
+    (directory / table_name).write_text(f"# The climb: profile `{profile}`, workload `{workload}`\n\n{markdown}")
+
+    rows = build_rows(results, order, notes)
+    climb_figure = plot_climb(rows, title=f"The climb ({profile} profile) beside the article's")
+    climb_figure.savefig(directory / climb_name, dpi=120)
+    latency_figure = plot_latency_vs_load(results, title=f"Latency against load ({profile} profile)")
+    latency_figure.savefig(directory / latency_name, dpi=120)
+    return ReportFiles(directory / table_name, directory / climb_name, directory / latency_name, markdown)
+
+
+def results_dir_from_env(default: Path) -> Path:
+    """The notebooks' results directory: ``SFS_RESULTS_DIR`` when set (tests point it at synthetic data)."""
+    return Path(os.environ.get("SFS_RESULTS_DIR", default))

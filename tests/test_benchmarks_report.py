@@ -1,0 +1,296 @@
+"""The harness's pure parts on hand-computed inputs: level summaries, the knee, the table, the README blocks.
+
+No server, no Locust, no timing: every expected figure below is worked out by hand in the comments.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from benchmarks.profiles import build_profiles, resolve_profile_name
+from benchmarks.readme_blocks import (
+    block_keys,
+    rewrite_blocks,
+    split_key,
+    update_readmes,
+)
+from benchmarks.reference import save_reference
+from benchmarks.report import (
+    build_rows,
+    find_knee,
+    render_table,
+    warnings_for,
+    write_report,
+)
+from benchmarks.results import (
+    BenchmarkResult,
+    load_result,
+    load_results,
+    save_result,
+    summarize_level,
+)
+from benchmarks.synthetic import SyntheticLevel, synthetic_result, write_synthetic_climb
+from benchmarks.workload import WORKLOADS, PromptStream, check_response
+
+# ---------------------------------------------------------------- the level summary
+
+
+def test_summarize_level_counts_requests_finished_inside_the_window():
+    window_start, window_end = 100.0, 110.0
+    records = [
+        [99.0, 2.0, 200, True, 32, None],  # issued before the window, finished inside it at 101: 2000 ms
+        [101.0, 1.0, 200, True, 32, None],  # 1000 ms
+        [102.0, 2.0, 200, True, 32, None],  # 2000 ms
+        [103.0, 3.0, 200, True, 32, None],  # 3000 ms
+        [104.0, 0.5, 429, False, 0, "HTTP 429"],
+        [105.0, 0.1, 0, False, 0, "HTTP 0"],
+        [109.5, 1.0, 200, True, 32, None],  # finished at 110.5, after the window: not counted at all
+    ]
+    level = summarize_level(records, window_start, window_end, users=4, stopped_by="time_limit", locust_exit_code=0)
+    assert level.requests_ok == 4 and level.requests_failed == 2
+    assert level.qps == pytest.approx(4 / 10)
+    assert level.tokens_per_s == pytest.approx(4 * 32 / 10)
+    assert level.latency_sample == 4
+    # numpy's linear percentile over the sorted [1000, 2000, 2000, 3000]: value at rank q/100 * 3
+    assert level.latency_ms.p50 == pytest.approx(2000)  # rank 1.5: between 2000 and 2000
+    assert level.latency_ms.p90 == pytest.approx(2700)  # rank 2.7: 2000 + 0.7 x 1000
+    assert level.latency_ms.p99 == pytest.approx(2970)  # rank 2.97
+    assert level.latency_ms.max == pytest.approx(3000)
+    assert level.latency_ms.mean == pytest.approx(2000)
+    assert level.errors_by_status == {"0": 1, "429": 1}
+    assert level.failure_reasons == {"HTTP 429": 1, "HTTP 0": 1}
+
+
+def test_summarize_level_without_successes_has_no_latency():
+    level = summarize_level([[1.0, 0.1, 503, False, 0, "HTTP 503"]], 0.0, 2.0, users=1, stopped_by="time_limit",
+                            locust_exit_code=0)
+    assert level.qps == 0 and level.latency_ms is None and level.errors_by_status == {"503": 1}
+
+
+# ---------------------------------------------------------------- the knee
+
+
+@pytest.mark.parametrize(
+    ("qps", "p99", "knee_users", "reasons"),
+    [
+        # 8 users: P99 420 > 2 x 60, and QPS 21 gains 1 < 10 % of 20: both break at once; knee = 1 user
+        ([20, 21, 21, 20], [60, 420, 1600, 3300], 1, ("p99_doubled", "qps_flat")),
+        # QPS keeps growing (120 >= 99); at 64 users P99 400 > 2 x 100 breaks: knee = 32
+        ([10, 50, 90, 120], [100, 150, 190, 400], 32, ("p99_doubled",)),
+        # 32 users: QPS 54 gains 4 < 5 (10 % of 50) while P99 stays under 200: knee = 8
+        ([10, 50, 54, 80], [100, 110, 120, 130], 8, ("qps_flat",)),
+        # nothing breaks within the loads tested: the knee lies beyond 64
+        ([10, 20, 40, 80], [100, 120, 150, 200], 64, ()),
+        # exactly 2 x P99 and exactly +10 % are not breaks ("exceeds", "less than")
+        ([20, 22, 30, 40], [100, 200, 200, 200], 64, ()),
+    ],
+)
+def test_find_knee(qps, p99, knee_users, reasons):
+    knee = find_knee([1, 8, 32, 64], qps, p99)
+    assert knee.users == knee_users
+    assert knee.reasons == reasons
+    assert knee.reached == bool(reasons)
+
+
+def test_find_knee_single_level_and_unsorted_levels():
+    assert find_knee([4], [10.0], [100.0]).users == 4
+    with pytest.raises(ValueError):
+        find_knee([8, 1], [1, 2], [1, 2])
+
+
+# ---------------------------------------------------------------- the table
+
+
+def _climb() -> dict[str, BenchmarkResult]:
+    return {
+        "ch01": synthetic_result("ch01", [SyntheticLevel(1, 20, 50, 60), SyntheticLevel(8, 21, 380, 420),
+                                          SyntheticLevel(32, 21, 1500, 1600), SyntheticLevel(64, 20, 3000, 3300)]),
+        "ch02": synthetic_result("ch02", [SyntheticLevel(1, 22, 45, 55), SyntheticLevel(8, 25, 320, 360),
+                                          SyntheticLevel(32, 25, 1280, 1350),
+                                          SyntheticLevel(64, 25, 2560, 2700, errors_by_status={"429": 3})]),
+    }
+
+
+def test_build_rows_takes_figures_at_the_highest_qps_level():
+    rows = {row.label: row for row in build_rows(_climb(), ["ch01", "ch02", "ch03"], {"ch03": "not built yet"})}
+    # ch01: highest QPS 21, first reached at 8 users
+    assert (rows["ch01"].users, rows["ch01"].qps, rows["ch01"].p50_ms, rows["ch01"].p99_ms) == (8, 21, 380, 420)
+    assert rows["ch01"].ratio_to_baseline == pytest.approx(1.0)
+    # ch02: 25 QPS at 8 users, 25 x 32 tokens; 25 / 21 of ch01; errors summed over every level
+    assert (rows["ch02"].users, rows["ch02"].qps, rows["ch02"].tokens_per_s) == (8, 25, 800)
+    assert rows["ch02"].ratio_to_baseline == pytest.approx(25 / 21)
+    assert rows["ch02"].errors == 3 and rows["ch02"].errors_by_status == (("429", 3),)
+    assert (rows["ch02"].article_qps, rows["ch02"].article_p99_ms) == (28, 1800)
+    assert rows["ch02"].article_ratio == pytest.approx(28 / 12)
+    # ch02's knee: at 8 users P99 360 > 2 x 55 -> knee at 1 user
+    assert rows["ch02"].knee_users == 1 and rows["ch02"].knee_reached
+    # a missing chapter keeps the article's figures and says why it has none
+    assert not rows["ch03"].measured and rows["ch03"].note == "not built yet" and rows["ch03"].article_qps == 95
+
+
+def test_render_table_rows():
+    table = render_table(_climb(), ["ch01", "ch02", "ch03"], {"ch03": "not built yet"})
+    assert "| ch01 | 21.0 | 380 | 420 | 672 | 8 | 1 | 0 | 1.00× | 12 | 3,500 | 1.00× |" in table
+    assert "| ch02 | 25.0 | 320 | 360 | 800 | 8 | 1 | 3 (429: 3) | 1.19× | 28 | 1,800 | 2.33× |" in table
+    assert "| ch03 | *not built yet* | — | — | — | — | — | — | — | 95 | 600 | 7.92× |" in table
+
+
+def test_table_without_baseline_has_no_ratio_and_lists_variants():
+    results = {
+        "ch02": _climb()["ch02"],
+        "ch02-wide": synthetic_result("ch02", [SyntheticLevel(1, 50, 10, 20)], label="ch02-wide"),
+    }
+    table = render_table(results, ["ch01", "ch02"], {"ch01": "not built yet"})
+    assert "| ch02 | 25.0 | 320 | 360 | 800 | 8 | 1 | 3 (429: 3) | — |" in table
+    assert "| ch02-wide | ch02 | 50.0 | 10 | 20 | 1 | 0 | 2.00× |" in table  # 50 / 25 of its own chapter
+
+
+def test_warnings_name_a_busy_load_generator_and_small_samples():
+    busy = synthetic_result("ch03", [SyntheticLevel(64, 900, 10, 20, loadgen_cpu_percent=93, latency_sample=150)])
+    warnings = " ".join(warnings_for({"ch03": busy}))
+    assert "ch03 at 64 users: the load generator used 93 %" in warnings
+    assert "fewer than 200 requests measured at concurrency 64" in warnings
+    assert warnings_for(_climb()) == []
+
+
+def test_report_with_missing_chapters(tmp_path: Path):
+    save_result(_climb()["ch02"], tmp_path)  # only ch02: ch01 (the baseline) and ch03..ch06 are missing
+    files = write_report(tmp_path)
+    assert files.climb_png.stat().st_size > 0 and files.latency_png.stat().st_size > 0
+    lines = files.table.read_text().splitlines()
+    ch01 = next(line for line in lines if line.startswith("| ch01 |"))
+    assert "*not " in ch01  # "not built yet" or "not measured", depending on the registry
+    assert all(any(line.startswith(f"| {c} | *not ") for line in lines) for c in ("ch04", "ch05", "ch06"))
+    assert "| ch02 | 25.0 |" in files.table.read_text()
+
+
+def test_report_of_an_empty_directory(tmp_path: Path):
+    files = write_report(tmp_path)
+    assert files.climb_png.exists() and "| ch01 | *not " in files.markdown
+
+
+# ---------------------------------------------------------------- the results schema
+
+
+def test_results_round_trip_and_reject_unknown_fields(tmp_path: Path):
+    result = _climb()["ch01"]
+    path = save_result(result, tmp_path)
+    assert path.name == "ch01.json"
+    assert load_result(path) == result
+    long = synthetic_result("ch04", [SyntheticLevel(1, 2, 400, 450)], workload="long", max_new_tokens=256)
+    assert save_result(long, tmp_path).name == "ch04-long.json"
+    assert set(load_results(tmp_path)) == {"ch01"} and set(load_results(tmp_path, "long")) == {"ch04"}
+    with pytest.raises(ValidationError):
+        BenchmarkResult.model_validate({**result.model_dump(), "surprise": 1})
+
+
+# ---------------------------------------------------------------- the README blocks
+
+
+def test_rewrite_blocks_replaces_only_between_markers():
+    text = "intro\n<!-- results:ch02 -->\nold figures\n<!-- /results -->\nmiddle\n<!-- results:climb --><!-- /results -->\nend\n"
+    rewritten = rewrite_blocks(text, lambda key: f"NEW {key}")
+    assert rewritten == (
+        "intro\n<!-- results:ch02 -->\nNEW ch02\n<!-- /results -->\nmiddle\n<!-- results:climb -->\nNEW climb\n"
+        "<!-- /results -->\nend\n"
+    )
+    assert block_keys(text) == ["ch02", "climb"]
+    assert rewrite_blocks(rewritten, lambda key: f"NEW {key}") == rewritten  # idempotent
+
+
+def test_update_readmes_from_reference_results(tmp_path: Path):
+    reference = tmp_path / "reference" / "cpu"
+    write_synthetic_climb(reference)
+    write_report(reference)
+    readme = tmp_path / "chapters" / "ch02_fastapi_async" / "README.md"
+    readme.parent.mkdir(parents=True)
+    readme.write_text(
+        "# ch02\n\n<!-- results:ch02 -->\n<!-- /results -->\n\n<!-- results:ch01-workers -->\n<!-- /results -->\n\n"
+        "<!-- results:ch09 -->\n<!-- /results -->\n\n<!-- results:climb -->\n<!-- /results -->\nthe end\n"
+    )
+    assert update_readmes([readme], profile="cpu", directory=reference) == [readme]
+    text = readme.read_text()
+    assert text.startswith("# ch02\n\n<!-- results:ch02 -->\n") and text.endswith("<!-- /results -->\nthe end\n")
+    ch02 = text.split("<!-- results:ch02 -->")[1].split("<!-- /results -->")[0]
+    # write_synthetic_climb: ch01 peaks at 21 QPS (8 users), ch02 at 25 QPS (8 users): 25 / 21 = 1.19
+    assert "| ch01 | 21.0 | 380 | 420 | 672 | 8 | 0 |" in ch02
+    assert "| **ch02** | 25.0 | 320 | 360 | 800 | 8 | 0 |" in ch02
+    assert "| ch02 / ch01 | 1.19× |" in ch02
+    assert "`python -m benchmarks run --chapter ch02 --profile cpu`" in ch02
+    assert "ch02.json" in ch02
+    workers = text.split("<!-- results:ch01-workers -->")[1].split("<!-- /results -->")[0]
+    assert "| ch01-workers / ch01 | 0.95× |" in workers  # 20 / 21 QPS against its own chapter
+    assert "No reference result for `ch09`" in text
+    climb = text.split("<!-- results:climb -->")[1].split("<!-- /results -->")[0]
+    assert "| ch02 | 25.0 |" in climb and "climb.png" in climb
+    assert update_readmes([readme], profile="cpu", directory=reference) == []  # nothing left to change
+
+
+def test_block_keys_may_name_their_profile():
+    assert split_key("climb@gpu", "cpu") == ("climb", "gpu")
+    assert split_key("ch01-workers", "cpu") == ("ch01-workers", "cpu")
+
+
+def test_save_reference_copies_results_and_redraws_the_report(tmp_path: Path):
+    results = tmp_path / "results" / "cpu"
+    paths = write_synthetic_climb(results)
+    reports = save_reference([paths["ch01"], paths["ch02"]], "cpu", reference_root=tmp_path / "reference")
+    reference = tmp_path / "reference" / "cpu"
+    assert sorted(p.name for p in reference.glob("*.json")) == ["ch01.json", "ch02.json"]
+    assert [r.table for r in reports] == [reference / "climb.md"]
+    assert (reference / "climb.png").exists() and (reference / "latency_vs_load.png").exists()
+    with pytest.raises(ValueError):
+        save_reference([paths["ch01"]], "gpu", reference_root=tmp_path / "reference")  # a cpu result is no gpu reference
+
+
+# ---------------------------------------------------------------- profiles and workload
+
+
+def test_core_plans():
+    profiles = build_profiles()
+    assert profiles["cpu"].core_plan([0, 1]) == ([0], [1])  # server core 0, Locust core 1
+    assert profiles["gpu"].core_plan(list(range(16))) == (list(range(15)), [15])
+    assert profiles["cpu"].core_plan([0]) == (None, None)  # one core: nothing to separate
+    assert profiles["cpu"].thread_env()["OMP_NUM_THREADS"] == "1"
+    assert "--torch-threads=1" in profiles["cpu"].server_args()
+    assert resolve_profile_name("auto") in {"cpu", "gpu"}
+
+
+def test_prompt_streams_are_reproducible_and_inside_the_mix():
+    first = [PromptStream(WORKLOADS["default"], 7, 3).next_body() for _ in range(1)]
+    stream_a, stream_b = PromptStream(WORKLOADS["default"], 7, 3), PromptStream(WORKLOADS["default"], 7, 3)
+    bodies = [stream_a.next_body() for _ in range(50)]
+    assert bodies == [stream_b.next_body() for _ in range(50)] and bodies[0] == first[0]
+    assert {len(b["input_ids"]) for b in bodies} <= {16, 32, 64, 128}
+    assert all(0 <= t < 256 for b in bodies for t in b["input_ids"]) and bodies[0]["max_new_tokens"] == 32
+    assert PromptStream(WORKLOADS["long"], 7, 3).next_body()["max_new_tokens"] == 256
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "verdict"),
+    [
+        (200, {"output_ids": [1, 2, 3]}, None),
+        (429, None, "HTTP 429"),
+        (200, {"output_ids": [1, 2]}, "200 with 2 output ids, expected 3"),
+        (200, {"output_ids": [1, 2, 258]}, "200 with output ids outside [0, 258)"),
+        (200, {"text": "no ids"}, "200 without output_ids"),
+    ],
+)
+def test_check_response(status, body, verdict):
+    assert check_response(status, body, max_new_tokens=3, vocab_size=258) == verdict
+
+
+def test_the_harness_never_imports_locust():
+    """Locust patches the interpreter with gevent on import: the harness must only start it as a process."""
+    code = (
+        "import sys, benchmarks.__main__, benchmarks.harness, benchmarks.ceiling, benchmarks.report, "
+        "benchmarks.readme_blocks, benchmarks.reference; print('locust' in sys.modules, 'gevent' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.stdout.split() == ["False", "False"]
