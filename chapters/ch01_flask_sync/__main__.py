@@ -1,0 +1,3 @@
+from chapters.ch01_flask_sync.server import main
+
+main()

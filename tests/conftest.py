@@ -1,0 +1,76 @@
+"""Fixtures shared by the whole suite: the default model, the oracle, and real chapter servers.
+
+Servers are started exactly as a learner starts them (``python -m chapters.<folder> --port N``) by
+:func:`benchmarks.server_process.running_server`, and stopped with SIGTERM.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+
+import pytest
+import torch
+
+from benchmarks.server_process import RunningServer, running_server
+from shared.generation import reference_greedy
+from shared.weights import LoadedModel, load_model
+
+# The test process shares the cores with the servers it starts (and, on a small CI machine, with
+# other jobs). Torch's OpenMP workers spin while they wait for a core they cannot get, which makes
+# the oracle's many small operations several times slower; one thread is as fast as it gets here.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def default_model() -> LoadedModel:
+    """The committed default model, FP32 on the CPU: what every chapter serves by default."""
+    return load_model("default")
+
+
+class Oracle:
+    """``reference_greedy`` on the default model, remembered per (prompt, max_new_tokens).
+
+    Chapters are compared with the same expected tokens, so each is computed once per session.
+    """
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        self.loaded = loaded
+        self._answers: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    def __call__(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        key = (tuple(prompt_ids), max_new_tokens)
+        if key not in self._answers:
+            self._answers[key] = reference_greedy(self.loaded.model, prompt_ids, max_new_tokens)
+        return list(self._answers[key])
+
+
+@pytest.fixture(scope="session")
+def oracle(default_model: LoadedModel) -> Oracle:
+    return Oracle(default_model)
+
+
+# How a server may end after SIGTERM: gunicorn's master exits 0; uvicorn finishes its graceful
+# shutdown and then re-raises the signal, so its parent sees "terminated by SIGTERM". A SIGKILL
+# (the grace period ran out) or any other status means the server did not stop cleanly.
+CLEAN_EXIT_STATUSES = (0, -signal.SIGTERM)
+
+
+@contextmanager
+def serve(chapter: str, *args: str) -> Iterator[RunningServer]:
+    """Run ``python -m chapters.<chapter> --port <free> *args`` for the block; check it stopped cleanly."""
+    with running_server(chapter, args) as running:
+        yield running
+    status = running.process.returncode
+    assert status in CLEAN_EXIT_STATUSES, f"{chapter} did not stop cleanly on SIGTERM (status {status}):\n{running.log_tail(1500)}"
+
+
+@pytest.fixture(scope="session")
+def server() -> Callable[..., AbstractContextManager[RunningServer]]:
+    """A factory of servers: ``with server("ch01", "--max-body-bytes", "4096") as running: ...``.
+
+    Test modules wrap it in a module-scoped fixture parametrized over ``chapters.CHAPTERS``, so each
+    chapter's server starts once per module and stops before the next chapter's starts.
+    """
+    return serve
