@@ -28,11 +28,21 @@ def chapter_files(root: Path, with_readme: bool) -> dict[str, Path]:
     return files
 
 
+def imported_by(module: str, files: dict[str, Path]) -> bool:
+    return any(module in path.read_text() for name, path in files.items() if name.endswith(".py"))
+
+
 def unified(from_chapter: str, to_chapter: str, with_readme: bool = False) -> str:
+    """The unified diff of the two chapters' files. A module of FROM that TO imports instead of
+    copying is not a deletion: it is named in one line and not diffed."""
     a_dir, b_dir = chapter_dir(from_chapter), chapter_dir(to_chapter)
     a_files, b_files = chapter_files(a_dir, with_readme), chapter_files(b_dir, with_readme)
     out = []
     for name in sorted(set(a_files) | set(b_files)):
+        module = f"chapters.{a_dir.name}.{name.removesuffix('.py').replace('/', '.')}"
+        if name not in b_files and imported_by(module, b_files):
+            out.append(f"# {a_dir.name}/{name}: unchanged, {b_dir.name} imports it\n")
+            continue
         a = a_files[name].read_text().splitlines(keepends=True) if name in a_files else []
         b = b_files[name].read_text().splitlines(keepends=True) if name in b_files else []
         out.extend(difflib.unified_diff(a, b, f"{a_dir.name}/{name}", f"{b_dir.name}/{name}"))

@@ -1,0 +1,3 @@
+from chapters.ch03_dynamic_batching.server import main
+
+main()

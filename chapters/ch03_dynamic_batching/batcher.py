@@ -1,0 +1,308 @@
+"""A dynamic batcher: requests wait in one queue and leave for the model together.
+
+The rules (the README explains why each one is there):
+
+1. **The window opens at the first arrival.** A batch leaves ``window_s`` after its oldest request
+   arrived, so no request waits longer than the window plus the batch ahead of it (as long as no
+   more than ``max_batch`` requests are queued ahead of it: beyond that, the server is overloaded).
+2. **``min_batch`` waiting requests send a batch at once**, without waiting for the window to close.
+3. **Never more than ``max_batch``** requests in one batch; the rest stay queued for the next one.
+4. **First in, first out.** A batch is always the oldest requests in the queue.
+5. **The device runs one batch while the next one fills.** The batch runner is a plain blocking
+   function run in ONE dedicated thread; the event loop keeps accepting and queueing meanwhile, and
+   a batch that is ready while the device is busy keeps growing (up to ``max_batch``) until it is free.
+6. **Each request has its own future.** A failing batch fails exactly its own requests (500,
+   ``batch_failed``) and the batcher goes on with the next one.
+7. **Nobody computes for a client that is gone.** A request whose client disconnected before its
+   batch started is dropped when the batch is formed; a request whose awaiting coroutine was
+   cancelled leaves the queue at once.
+
+What a later chapter may plug in (chapter 4 does):
+
+- ``run_batch``: any blocking ``list[RequestT] -> list[ResultT]`` (same length, same order). Chapter 3
+  passes batched greedy generation; chapter 4 passes one backed by its KV-cache pool.
+- ``executor``: where ``run_batch`` runs (default: a fresh one-thread pool owned by the batcher).
+- ``clock``: :class:`MonotonicClock` in production; tests pass a fake one to drive time by hand.
+- Admission control sits in front of :meth:`DynamicBatcher.submit`; :attr:`DynamicBatcher.queued`
+  says how many requests are waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+from shared.schemas import ApiError
+
+log = logging.getLogger(__name__)
+
+RequestT = TypeVar("RequestT")
+ResultT = TypeVar("ResultT")
+
+# Blocking: computes a whole batch; returns one result per request, in order.
+BatchRunner = Callable[[list[RequestT]], list[ResultT]]
+# Asks whether the client behind a request has gone away (Starlette's ``request.is_disconnected``).
+DisconnectCheck = Callable[[], Awaitable[bool]]
+
+
+class Clock(Protocol):
+    """The only two things the batcher needs from time; injectable so tests never sleep."""
+
+    def now(self) -> float:
+        """Seconds on a clock that never goes backwards."""
+        ...
+
+    async def wait(self, event: asyncio.Event, timeout: float | None) -> None:
+        """Return once ``event`` is set or ``timeout`` seconds have passed (``None``: no time limit)."""
+        ...
+
+
+class MonotonicClock:
+    """Real time: ``time.monotonic`` and ``asyncio.wait_for``."""
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    async def wait(self, event: asyncio.Event, timeout: float | None) -> None:
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+
+class ClientDisconnected(ApiError):
+    """The request was dropped before computing because its client went away (nginx's 499)."""
+
+    def __init__(self) -> None:
+        super().__init__(499, "client_disconnected", "the client disconnected before its batch started")
+
+
+@dataclass(eq=False)  # compared by identity: two equal requests are still two clients
+class _Waiting(Generic[RequestT, ResultT]):
+    request: RequestT
+    future: asyncio.Future[ResultT]
+    arrived: float
+    is_disconnected: DisconnectCheck | None = None
+
+
+@dataclass(frozen=True)
+class BatcherConfig:
+    max_batch: int = 32
+    min_batch: int = 8
+    window_s: float = 0.005
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_batch <= self.max_batch:
+            raise ValueError(f"need 1 <= min_batch <= max_batch, got min_batch={self.min_batch}, max_batch={self.max_batch}")
+        if self.window_s < 0:
+            raise ValueError(f"window_s must be >= 0, got {self.window_s}")
+
+
+@dataclass
+class BatcherStats:
+    batches: int = 0
+    requests: int = 0
+    failed_batches: int = 0
+    dropped_disconnected: int = 0
+    largest_batch: int = 0
+
+
+class DynamicBatcher(Generic[RequestT, ResultT]):
+    """Collect requests into batches by the rules above and compute them off the event loop.
+
+    Life cycle: :meth:`start` inside a running loop, :meth:`submit` from request handlers,
+    :meth:`close` to drain (new submits get 503, queued requests are still computed).
+    """
+
+    def __init__(
+        self,
+        run_batch: BatchRunner[RequestT, ResultT],
+        config: BatcherConfig = BatcherConfig(),
+        *,
+        clock: Clock | None = None,
+        executor: Executor | None = None,
+    ) -> None:
+        self.config = config
+        self._run_batch = run_batch
+        self._clock = clock or MonotonicClock()
+        self._owns_executor = executor is None
+        self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="inference")
+        self._queue: deque[_Waiting[RequestT, ResultT]] = deque()
+        self._arrival = asyncio.Event()  # set on every arrival (and on close): wakes the collector
+        self._device_free = asyncio.Event()  # cleared while a batch computes
+        self._device_free.set()
+        self._in_flight: asyncio.Task[None] | None = None  # the batch on the device (a reference keeps the task alive)
+        self._collector: asyncio.Task[None] | None = None
+        self._closing = False
+        self.stats = BatcherStats()
+
+    # ------------------------------------------------------------------ the request side
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a batch (not counting the batch on the device)."""
+        return len(self._queue)
+
+    def enqueue(self, request: RequestT, is_disconnected: DisconnectCheck | None = None) -> asyncio.Future[ResultT]:
+        """Queue ``request`` and return its own future (synchronous: the order of calls is the order served)."""
+        if self._closing:
+            raise ApiError(503, "draining", "the server is shutting down and takes no new requests")
+        if self._collector is not None and self._collector.done():
+            raise ApiError(503, "batcher_stopped", "the batcher has stopped; see the server log")
+        future: asyncio.Future[ResultT] = asyncio.get_running_loop().create_future()
+        self._queue.append(_Waiting(request, future, self._clock.now(), is_disconnected))
+        self._arrival.set()
+        return future
+
+    async def submit(self, request: RequestT, is_disconnected: DisconnectCheck | None = None) -> ResultT:
+        """Queue ``request`` and wait for its result; raises what its batch raised (as :class:`ApiError`)."""
+        future = self.enqueue(request, is_disconnected)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            # The handler was cancelled (its client left): give the queue slot back right away, so
+            # the request neither counts towards min_batch nor gets computed.
+            self._forget(future)
+            raise
+
+    def _forget(self, future: asyncio.Future[ResultT]) -> None:
+        for waiting in self._queue:
+            if waiting.future is future:
+                self._queue.remove(waiting)
+                return
+
+    # ------------------------------------------------------------------ the collector
+
+    def start(self) -> None:
+        """Start collecting; call from inside the running event loop (e.g. a FastAPI lifespan)."""
+        if self._collector is None:
+            self._collector = asyncio.create_task(self._collect_forever(), name="batcher")
+
+    async def close(self) -> None:
+        """Take no new requests, compute every queued one, wait for the device, release the thread."""
+        self._closing = True
+        self._arrival.set()
+        self.start()  # a batcher closed before it ever started still computes what was queued
+        await self._collector
+        if self._owns_executor:
+            self._executor.shutdown(wait=True)
+
+    async def _collect_forever(self) -> None:
+        try:
+            while await self._wait_for_first_arrival():
+                await self._wait_for_trigger()
+                await self._wait_for_device()
+                batch = await self._take_batch()
+                if batch:
+                    self._device_free.clear()
+                    self._in_flight = asyncio.create_task(self._compute(batch))
+            await self._wait_for_device()
+        except BaseException as exc:
+            # A bug here must not leave clients hanging forever: fail whatever is still queued.
+            for waiting in self._queue:
+                if not waiting.future.done():
+                    waiting.future.set_exception(ApiError(500, "batcher_failed", f"the batcher stopped: {exc!r}"))
+            self._queue.clear()
+            raise
+
+    async def _wait_for_first_arrival(self) -> bool:
+        """Block until something is queued; False once closing with nothing left to do."""
+        while not self._queue:
+            if self._closing:
+                return False
+            self._arrival.clear()
+            await self._clock.wait(self._arrival, None)
+        return True
+
+    async def _wait_for_trigger(self) -> None:
+        """Return when ``min_batch`` requests wait, or the oldest has waited a full window."""
+        while self._queue and len(self._queue) < self.config.min_batch and not self._closing:
+            # Recomputed every time: the deadline belongs to whoever is oldest now (the head may
+            # have been cancelled), never to the moment the collector happened to look.
+            remaining = self._queue[0].arrived + self.window_s() - self._clock.now()
+            if remaining <= 0:
+                return
+            self._arrival.clear()
+            await self._clock.wait(self._arrival, remaining)
+
+    def window_s(self) -> float:
+        """How long the batch being formed may wait for company: fixed here; chapter 6 adapts it."""
+        return self.config.window_s
+
+    async def _wait_for_device(self) -> None:
+        """While the previous batch computes, the queue keeps filling; the next batch is taken after."""
+        while not self._device_free.is_set():
+            await self._clock.wait(self._device_free, None)
+
+    async def _take_batch(self) -> list[_Waiting[RequestT, ResultT]]:
+        """Pop up to ``max_batch`` of the oldest requests whose clients are still there."""
+        batch: list[_Waiting[RequestT, ResultT]] = []
+        while self._queue and len(batch) < self.config.max_batch:
+            waiting = self._queue.popleft()
+            if waiting.future.done():
+                continue  # cancelled while queued
+            if await self._client_gone(waiting):
+                self.stats.dropped_disconnected += 1
+                waiting.future.set_exception(ClientDisconnected())
+                continue
+            batch.append(waiting)
+        return batch
+
+    @staticmethod
+    async def _client_gone(waiting: _Waiting[RequestT, ResultT]) -> bool:
+        if waiting.is_disconnected is None:
+            return False
+        try:
+            return await waiting.is_disconnected()
+        except Exception:  # a broken check must not stop the collector: assume the client is there
+            log.exception("is_disconnected failed; computing the request anyway")
+            return False
+
+    async def _compute(self, batch: list[_Waiting[RequestT, ResultT]]) -> None:
+        """Run one batch in the inference thread and hand each request its own result or error."""
+        requests = [waiting.request for waiting in batch]
+        loop = asyncio.get_running_loop()
+        self._record(len(batch))
+        try:
+            results = await loop.run_in_executor(self._executor, self._run_batch, requests)
+            if len(results) != len(batch):
+                raise RuntimeError(f"the batch runner returned {len(results)} results for {len(batch)} requests")
+        except Exception as exc:  # never re-raised: nobody awaits this task, its requests hear of it
+            self.stats.failed_batches += 1
+            log.exception("a batch of %d requests failed", len(batch))
+            message = f"the batch of {len(batch)} requests failed: {type(exc).__name__}: {exc}"
+            for waiting in batch:
+                if not waiting.future.done():  # its client may have been cancelled meanwhile
+                    waiting.future.set_exception(ApiError(500, "batch_failed", message))
+        else:
+            for waiting, result in zip(batch, results):
+                if not waiting.future.done():
+                    waiting.future.set_result(result)
+        finally:
+            self._device_free.set()
+
+    def _record(self, size: int) -> None:
+        self.stats.batches += 1
+        self.stats.requests += size
+        self.stats.largest_batch = max(self.stats.largest_batch, size)
+
+    def describe(self) -> dict:
+        """Configuration and counters, for ``/healthz``."""
+        return {
+            "max_batch": self.config.max_batch,
+            "min_batch": self.config.min_batch,
+            "window_ms": self.config.window_s * 1e3,
+            "queued": self.queued,
+            "batches": self.stats.batches,
+            "requests": self.stats.requests,
+            "mean_batch": round(self.stats.requests / self.stats.batches, 2) if self.stats.batches else 0.0,
+            "largest_batch": self.stats.largest_batch,
+            "failed_batches": self.stats.failed_batches,
+            "dropped_disconnected": self.stats.dropped_disconnected,
+        }

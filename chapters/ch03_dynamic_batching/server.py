@@ -1,0 +1,100 @@
+"""Chapter 3: dynamic batching. Requests wait a few milliseconds in a queue and go through the model together.
+
+A request's life: uvicorn parses HTTP on the event loop, the endpoint checks the body, then hands
+the request to the BATCHER and awaits its own future. The batcher groups what arrives within a
+short window (or as soon as ``min_batch`` are waiting, never more than ``max_batch``) and runs each
+group as one padded batch in the ONE dedicated inference thread, while the loop keeps collecting
+the next group. Every decode step now produces a token for every request of the batch for about the
+price of one: the weights are read once per step, and the per-step overheads are paid once.
+
+The process layout is chapter 2's (one process, one inference thread), so what changes in the
+benchmark is batching's doing alone.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI
+from pydantic import Field, model_validator
+
+from chapters.ch02_fastapi_async.api import Generated, create_app
+from chapters.ch03_dynamic_batching.batched_generation import Prefill, generate_batch
+from chapters.ch03_dynamic_batching.batcher import (
+    BatcherConfig,
+    BatchRunner,
+    DynamicBatcher,
+)
+from shared.devices import choose_device, set_threads
+from shared.schemas import ValidRequest
+from shared.settings import ServerSettings, parse_settings
+from shared.weights import load_model
+
+
+class BatchingSettings(ServerSettings):
+    """Chapter 2's knobs, the batcher's three (defaults: the article's starting point), and the prompt pass."""
+
+    max_batch: int = Field(32, ge=1, description="most requests in one batch; the rest wait for the next one")
+    min_batch: int = Field(8, ge=1, description="a batch leaves at once when this many requests are waiting")
+    window_ms: float = Field(5.0, ge=0, description="longest a batch waits for company, from its first arrival")
+    prefill: Prefill = Field("by_length", description="by_length: skip the padding in the prompt pass | padded: the textbook pass")
+
+    @model_validator(mode="after")
+    def _min_not_above_max(self) -> BatchingSettings:
+        if self.min_batch > self.max_batch:
+            raise ValueError(f"min_batch ({self.min_batch}) must not exceed max_batch ({self.max_batch})")
+        return self
+
+    def batcher_config(self) -> BatcherConfig:
+        return BatcherConfig(max_batch=self.max_batch, min_batch=self.min_batch, window_s=self.window_ms / 1e3)
+
+
+def build_app(settings: BatchingSettings, run_batch: BatchRunner[ValidRequest, Generated] | None = None) -> FastAPI:
+    """The server; ``run_batch`` replaces the model's batch function (tests inject failures with it)."""
+    set_threads(settings.torch_threads)
+    loaded = load_model(settings.weights, settings.preset, choose_device(settings.device), settings.torch_dtype)
+
+    def run_model(requests: list[ValidRequest]) -> list[Generated]:
+        rows = generate_batch(
+            loaded.model, [r.input_ids for r in requests], [r.max_new_tokens for r in requests],
+            loaded.tokenizer.pad_id, prefill=settings.prefill,
+        )
+        return [Generated(row.output_ids, row.timings_ms) for row in rows]
+
+    # The batcher owns the one inference thread (chapter 2's ThreadPoolExecutor(1)) and feeds it batches.
+    batcher = DynamicBatcher(run_batch or run_model, settings.batcher_config())
+
+    async def generate(request: ValidRequest, is_disconnected) -> Generated:
+        submitted = time.perf_counter()
+        result = await batcher.submit(request, is_disconnected)
+        waited_ms = (time.perf_counter() - submitted) * 1e3
+        return Generated(result.output_ids, {"queue": waited_ms - result.timings_ms.get("batch", 0.0), **result.timings_ms})
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        batcher.start()
+        yield
+        # On SIGTERM uvicorn stops accepting and lets in-flight requests finish before we get here;
+        # close() then refuses new work (503) and computes whatever is still queued.
+        await batcher.close()
+
+    return create_app(
+        title="ch03 dynamic batching",
+        limits=settings.limits(loaded.config.vocab_size, loaded.config.n_ctx),
+        tokenizer=loaded.tokenizer,
+        generate=generate,
+        health=lambda: {"chapter": "ch03", "model": loaded.source, "prefill": settings.prefill, "batcher": batcher.describe()},
+        lifespan=lifespan,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings = parse_settings(BatchingSettings, argv, prog="python -m chapters.ch03_dynamic_batching")
+    app = build_app(settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
+
+
+if __name__ == "__main__":
+    main()
