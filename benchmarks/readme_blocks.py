@@ -37,6 +37,7 @@ from benchmarks.results import (
     load_results,
     result_filename,
 )
+from benchmarks.workload import WORKLOADS
 
 BLOCK = re.compile(r"(?P<open><!-- results:(?P<key>[A-Za-z0-9_.@\-]+) -->)(?P<body>.*?)(?P<close><!-- /results -->)", re.S)
 
@@ -171,6 +172,14 @@ def split_key(key: str, default_profile: str) -> tuple[str, str]:
     return name, profile or default_profile
 
 
+def split_workload(name: str) -> tuple[str, str]:
+    """``ch04-long`` -> ``("ch04", "long")``: a block of a non-default workload's results; else the default."""
+    label, _, suffix = name.rpartition("-")
+    if label and suffix in WORKLOADS and suffix != "default":
+        return label, suffix
+    return name, "default"
+
+
 def update_readmes(
     readmes: Sequence[Path] | None = None, profile: str = "cpu", directory: Path | None = None
 ) -> list[Path]:
@@ -179,17 +188,18 @@ def update_readmes(
     Each block reads ``<reference>/<profile>/``, its key's profile or ``profile``. Returns the files
     that changed; files without blocks are left alone.
     """
-    loaded: dict[Path, dict[str, BenchmarkResult]] = {}
+    loaded: dict[tuple[Path, str], dict[str, BenchmarkResult]] = {}
 
-    def results_in(where: Path) -> dict[str, BenchmarkResult]:
-        if where not in loaded:
-            loaded[where] = load_results(where) if where.exists() else {}
-        return loaded[where]
+    def results_in(where: Path, workload: str) -> dict[str, BenchmarkResult]:
+        if (where, workload) not in loaded:
+            loaded[where, workload] = load_results(where, workload) if where.exists() else {}
+        return loaded[where, workload]
 
     def render(key: str, readme: Path) -> str:
         name, block_profile = split_key(key, profile)
+        label, workload = split_workload(name)
         where = directory if directory is not None and block_profile == profile else REFERENCE_ROOT / block_profile
-        return render_key(name, results_in(where), where, readme, block_profile)
+        return render_key(label, results_in(where, workload), where, readme, block_profile)
 
     changed = []
     for readme in readmes if readmes is not None else default_readmes():

@@ -7,6 +7,8 @@ the climb: each entry is started as ``python -m chapters.<folder> --port N``.
 CHAPTERS: dict[str, str] = {
     "ch01": "ch01_flask_sync",
     "ch02": "ch02_fastapi_async",
+    "ch03": "ch03_dynamic_batching",
+    "ch04": "ch04_memory_pool",
 }
 
 

@@ -1,0 +1,3 @@
+from chapters.ch04_memory_pool.server import main
+
+main()

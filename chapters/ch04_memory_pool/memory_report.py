@@ -1,0 +1,102 @@
+"""``python -m chapters.ch04_memory_pool.memory_report``: where the memory of inference goes, computed.
+
+For each model shape: the weights, the KV cache per token and per request at the longest sequence,
+the pool the article's rule asks for, and the largest activation tensor of one forward pass. Every
+figure is arithmetic on the model's shape (the parameters are counted on torch's ``meta`` device, so
+nothing is allocated): exact for weights and KV cache, an estimate for activations, which depend on
+the kernels. These are not benchmark numbers; the harness measures time, this measures bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+from chapters.ch04_memory_pool.memory_pool import (
+    DEFAULT_HEADROOM,
+    kv_bytes_per_request,
+    pool_tokens_by_rule,
+)
+from shared.model import GPT, PRESETS, ModelConfig
+
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class MemoryFigures:
+    name: str
+    dtype: torch.dtype
+    parameters: int
+    weight_bytes: int
+    kv_bytes_per_token: int
+    kv_bytes_per_request: int  # at the longest sequence (n_ctx)
+    pool_bytes: int  # the article's rule at ``concurrency`` requests
+    activation_bytes: int  # largest single activation of a prefill of ``batch`` x ``prompt`` tokens
+
+
+def count_parameters(config: ModelConfig) -> int:
+    with torch.device("meta"):
+        return GPT(config).num_parameters()
+
+
+def largest_activation_bytes(config: ModelConfig, batch: int, prompt: int, dtype: torch.dtype) -> int:
+    """The biggest tensor a prefill creates: the MLP's 4x-wide hidden layer, or the logits row per sequence.
+
+    (A fused attention kernel never stores the T x T score matrix; the plain math kernel would, for
+    ``batch x heads x prompt x prompt`` more. Workspaces and the allocator's caching come on top.)
+    """
+    element = torch.tensor([], dtype=dtype).element_size()
+    mlp_hidden = batch * prompt * 4 * config.n_embd
+    last_logits = batch * config.vocab_size
+    return max(mlp_hidden, last_logits) * element
+
+
+def figures(name: str, config: ModelConfig, dtype: torch.dtype, concurrency: int, batch: int, prompt: int) -> MemoryFigures:
+    parameters = count_parameters(config)
+    element = torch.tensor([], dtype=dtype).element_size()
+    return MemoryFigures(
+        name=name,
+        dtype=dtype,
+        parameters=parameters,
+        weight_bytes=parameters * element,
+        kv_bytes_per_token=config.kv_bytes_per_token(dtype),
+        kv_bytes_per_request=kv_bytes_per_request(config, config.n_ctx, dtype),
+        pool_bytes=pool_tokens_by_rule(config.n_ctx, concurrency, DEFAULT_HEADROOM) * config.kv_bytes_per_token(dtype),
+        activation_bytes=largest_activation_bytes(config, batch, prompt, dtype),
+    )
+
+
+def render(rows: list[MemoryFigures], concurrency: int, batch: int, prompt: int) -> str:
+    header = (
+        "| model | dtype | parameters | weights | KV per token | KV per request at n_ctx "
+        f"| pool: n_ctx x {concurrency} x {DEFAULT_HEADROOM} | largest activation, prefill {batch} x {prompt} |"
+    )
+    lines = [header, "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        lines.append(
+            f"| {row.name} | {str(row.dtype).removeprefix('torch.')} | {row.parameters / 1e6:.2f} M "
+            f"| {row.weight_bytes / MiB:.1f} MiB | {row.kv_bytes_per_token / 1024:.0f} KiB "
+            f"| {row.kv_bytes_per_request / MiB:.1f} MiB | {row.pool_bytes / MiB:,.0f} MiB "
+            f"| {row.activation_bytes / MiB:.1f} MiB |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", type=int, default=64, help="the rule's maximum concurrency (the server's default)")
+    parser.add_argument("--batch", type=int, default=32, help="prefill batch for the activation estimate")
+    parser.add_argument("--prompt", type=int, default=128, help="prompt length for the activation estimate")
+    args = parser.parse_args(argv)
+    rows = [
+        figures(f"{name} (n_ctx {config.n_ctx})", config, dtype, args.concurrency, args.batch, args.prompt)
+        for name, config in (("tiny / default", PRESETS["tiny"]), ("gpt2", PRESETS["gpt2"]))
+        for dtype in (torch.float32, torch.float16)
+    ]
+    print(render(rows, args.concurrency, args.batch, args.prompt))
+
+
+if __name__ == "__main__":
+    main()
