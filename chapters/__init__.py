@@ -9,6 +9,8 @@ CHAPTERS: dict[str, str] = {
     "ch02": "ch02_fastapi_async",
     "ch03": "ch03_dynamic_batching",
     "ch04": "ch04_memory_pool",
+    "ch05": "ch05_inference_engine",
+    "ch06": "ch06_tuned_batching",
 }
 
 

@@ -30,7 +30,11 @@ from pydantic import Field
 
 from chapters.ch02_fastapi_async.api import Generated, create_app
 from chapters.ch03_dynamic_batching.batched_generation import generate_batch
-from chapters.ch03_dynamic_batching.batcher import BatchRunner, BatcherConfig, DynamicBatcher
+from chapters.ch03_dynamic_batching.batcher import (
+    BatcherConfig,
+    BatchRunner,
+    DynamicBatcher,
+)
 from chapters.ch03_dynamic_batching.server import BatchingSettings
 from chapters.ch04_memory_pool.admission import (
     AdmissionConfig,

@@ -1,0 +1,3 @@
+from chapters.ch05_inference_engine.server import main
+
+main()

@@ -1,0 +1,3 @@
+from chapters.ch06_tuned_batching.server import main
+
+main()

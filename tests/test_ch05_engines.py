@@ -1,0 +1,229 @@
+"""Chapter 5's engines: fp32 engines give the oracle's tokens, reduced precisions stay within measured tolerances.
+
+Every engine x precision is a parameter; one that cannot run on this machine is skipped with the
+reason the engine module gives (TensorRT without a GPU, ONNX Runtime at 16 bits on a CPU ...).
+Engines are built once per session (ONNX graphs come from ``.cache/engines/`` after the first run);
+``compile`` takes minutes of Inductor compilation on a small CPU, so its tests are marked slow.
+
+The tolerances come from the trade-off run committed in ``benchmarks/reference/ch05-tradeoffs/``
+(see the README), with a margin; the measured values are quoted beside each constant.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from chapters.ch03_dynamic_batching.batched_generation import generate_batch
+from chapters.ch04_memory_pool.memory_pool import BatchCacheLease, KVMemoryPool
+from chapters.ch05_inference_engine import engines as engines_module
+from chapters.ch05_inference_engine import tradeoffs
+from chapters.ch05_inference_engine.engines import (
+    ENGINES,
+    PRECISIONS,
+    Engine,
+    EngineUnavailable,
+    build_engine,
+    unavailable_reason,
+)
+from shared.corpus import evaluate
+from shared.model import DynamicKVCache
+from shared.tokenizer import PAD_ID
+from shared.weights import LoadedModel
+
+# Task accuracy may drop this much below fp32 eager's (the issue's "within 2 points"). Measured in
+# benchmarks/reference/ch05-tradeoffs/latest.json: fp32 99.9 %; the largest drop is ONNX Runtime
+# int8 at 99.3 % (0.6 points); torchao int8 99.6 %, bf16 99.8 %, fp16 99.9 %.
+MAX_ACCURACY_DROP = 0.02
+# Greedy tokens equal to fp32 eager's, position by position, over tradeoffs.agreement_prompts()
+# (16 prompts x 32 tokens). Measured: compile bf16 69.1 %, ONNX Runtime int8 77.9 %, eager bf16
+# 78.9 %, torchao int8 89.1 %, fp16 96.3 % to 99.8 %. Free text has near-ties, so one flipped token changes the rest of its row;
+# the bound leaves room for other thread counts (the run used 1 thread) and catches a broken engine
+# (garbage agrees on a few percent).
+MIN_TOKEN_AGREEMENT = 0.6
+# Minutes of compilation / engine building. TensorRT is only slow where it can run; elsewhere its
+# tests skip at once with the reason, so they stay in the default suite.
+SLOW_ENGINES = {"compile"} | ({"tensorrt"} if unavailable_reason("tensorrt", "fp32", torch.device("cuda")) is None else set())
+
+COMBOS = [
+    pytest.param(e, p, marks=[pytest.mark.slow] if e in SLOW_ENGINES else [], id=f"{e}-{p}")
+    for e in ENGINES
+    for p in PRECISIONS
+]
+FP32 = [pytest.param(*c.values, marks=c.marks, id=c.id) for c in COMBOS if c.values[1] == "fp32"]
+REDUCED = [pytest.param(*c.values, marks=c.marks, id=c.id) for c in COMBOS if c.values[1] != "fp32"]
+
+
+@pytest.fixture(scope="session")
+def engine_for(default_model: LoadedModel):
+    """``engine_for(name, precision)``: the engine, built once per session, or a skip with the reason."""
+    built: dict[tuple[str, str], Engine | str] = {}
+
+    def get(name: str, precision: str) -> Engine:
+        key = (name, precision)
+        if key not in built:
+            reason = unavailable_reason(name, precision, default_model.model.device)
+            if reason is None:
+                try:
+                    built[key] = build_engine(default_model.model, name, precision)
+                except EngineUnavailable as exc:
+                    reason = str(exc)
+            if reason is not None:
+                built[key] = reason
+        if isinstance(built[key], str):
+            pytest.skip(f"{name}/{precision} unavailable here: {built[key]}")
+        return built[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def fp32_accuracy(default_model: LoadedModel) -> float:
+    return evaluate(default_model.model).accuracy
+
+
+def mixed_prompts() -> list[list[int]]:
+    """Readable prompts of different lengths (so the batch is left-padded), plus a random-byte one."""
+    texts = ["12+34=", "the old robot paints a ", "t", "the clever fox reads a golden map near the river.\nthe ", "71+28=82\n55+17="]
+    generator = torch.Generator().manual_seed(3)
+    return [list(t.encode()) for t in texts] + [torch.randint(0, 256, (40,), generator=generator).tolist()]
+
+
+def generate_in_pool(engine: Engine, prompts: list[list[int]], new_tokens: list[int]) -> list[list[int]]:
+    """Chapter 3's batched generation with chapter 4's pool (in the engine's dtype): the server's path."""
+    pool = KVMemoryPool(engine.config, 4096, device=engine.device, dtype=engine.dtype)
+    with BatchCacheLease(pool) as lease:
+        rows = generate_batch(engine, prompts, new_tokens, PAD_ID, cache_factory=lease.new_cache)
+    assert pool.stats().blocks_used == 0
+    return [row.output_ids for row in rows]
+
+
+# ---------------------------------------------------------------------------------------------
+# The interface
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "precision"), COMBOS)
+def test_every_engine_speaks_the_models_signature(engine_for, name: str, precision: str) -> None:
+    engine = engine_for(name, precision)
+    ids = torch.tensor([list(b"12+34="), list(b"56+78=")])
+    cache = DynamicKVCache(engine.config.n_layer)
+    logits = engine(ids, cache=cache, last_token_only=True)
+    assert logits.shape == (2, 1, engine.config.vocab_size) and logits.dtype == torch.float32
+    assert cache.seq_len == 6
+    step = engine(logits[:, -1].argmax(-1, keepdim=True), cache=cache)
+    assert step.shape == (2, 1, engine.config.vocab_size) and cache.seq_len == 7
+    assert engine.describe()["engine"] == name
+
+
+def test_tensorrt_without_a_gpu_says_why() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: TensorRT may be real here")
+    reason = unavailable_reason("tensorrt", "fp32", torch.device("cpu"))
+    assert reason and ("GPU" in reason or "not installed" in reason)
+    with pytest.raises(EngineUnavailable, match="tensorrt/fp32"):
+        build_engine(SimpleNamespace(device=torch.device("cpu")), "tensorrt", "fp32")  # refused before any work
+
+
+def test_unknown_engine_or_precision_is_an_error() -> None:
+    with pytest.raises(ValueError):
+        unavailable_reason("tflite", "fp32", torch.device("cpu"))
+    with pytest.raises(ValueError):
+        unavailable_reason("eager", "int4", torch.device("cpu"))
+
+
+# ---------------------------------------------------------------------------------------------
+# fp32: exactly the oracle
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "precision"), FP32)
+def test_fp32_engine_returns_the_oracles_tokens(engine_for, oracle, name: str, precision: str) -> None:
+    engine = engine_for(name, precision)
+    prompts = mixed_prompts()
+    new_tokens = [24, 5, 1, 16, 8, 12]
+    assert generate_in_pool(engine, prompts, new_tokens) == [oracle(p, n) for p, n in zip(prompts, new_tokens)]
+
+
+@pytest.mark.parametrize(("name", "precision"), FP32)
+def test_fp32_engine_keeps_the_task_accuracy(engine_for, fp32_accuracy: float, name: str, precision: str) -> None:
+    engine = engine_for(name, precision)
+    assert evaluate(lambda ids: engine(ids)).accuracy == pytest.approx(fp32_accuracy, abs=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reduced precision: within the measured tolerance
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "precision"), REDUCED)
+def test_reduced_precision_accuracy_within_tolerance(engine_for, fp32_accuracy: float, name: str, precision: str) -> None:
+    engine = engine_for(name, precision)
+    accuracy = evaluate(lambda ids: engine(ids)).accuracy
+    assert accuracy >= fp32_accuracy - MAX_ACCURACY_DROP, f"{name}/{precision}: {accuracy:.3f} vs fp32 {fp32_accuracy:.3f}"
+
+
+@pytest.mark.parametrize(("name", "precision"), REDUCED)
+def test_reduced_precision_tokens_mostly_agree(engine_for, default_model: LoadedModel, name: str, precision: str) -> None:
+    engine = engine_for(name, precision)
+    prompts = tradeoffs.agreement_prompts()
+    reference = generate_in_pool(engine_for("eager", "fp32"), prompts, [tradeoffs.NEW_TOKENS] * len(prompts))
+    tokens = generate_in_pool(engine, prompts, [tradeoffs.NEW_TOKENS] * len(prompts))
+    same = sum(a == b for t, r in zip(tokens, reference) for a, b in zip(t, r))
+    assert same / sum(map(len, reference)) >= MIN_TOKEN_AGREEMENT
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversion: recorded and cached
+# ---------------------------------------------------------------------------------------------
+
+
+def test_onnx_artifacts_are_cached_and_their_cost_recorded(engine_for, default_model: LoadedModel) -> None:
+    engine_for("onnxruntime", "fp32")  # built (or skipped) once for the session
+    again = engines_module.build_onnxruntime(default_model.model, "fp32")
+    report = again.conversion
+    assert report.from_cache and report.artifact_bytes and report.artifact_bytes > 0
+    assert all(path.endswith(".onnx") for path in report.artifact_paths)
+    assert any("after ONNX Runtime's optimizer" in note for note in report.notes)
+
+
+def test_int8_onnx_is_smaller_than_fp32(engine_for) -> None:
+    fp32, int8 = engine_for("onnxruntime", "fp32"), engine_for("onnxruntime", "int8")
+    assert int8.conversion.artifact_bytes < fp32.conversion.artifact_bytes / 2
+
+
+def test_onnx_engine_reads_the_pool_without_changing_it(engine_for) -> None:
+    """Reading the past (a zero-length ``update``) stores nothing: the prompt's keys stay as they were."""
+    engine = engine_for("onnxruntime", "fp32")
+    pool = KVMemoryPool(engine.config, 512, device=engine.device, dtype=engine.dtype)
+    with pool.new_cache(2, 16) as cache:
+        logits = engine(torch.tensor([list(b"ab+cd="), list(b"12+34=")]), cache=cache)
+        nothing = torch.empty(2, engine.config.n_head, 0, engine.config.head_dim)
+        prompt_keys = cache.update(0, nothing, nothing)[0].clone()
+        assert cache.seq_len == 6 and prompt_keys.shape[2] == 6
+        engine(logits[:, -1].argmax(-1, keepdim=True), cache=cache)
+        keys_after = cache.update(0, nothing, nothing)[0]
+        assert cache.seq_len == 7 and torch.equal(keys_after[:, :, :6], prompt_keys)
+
+
+# ---------------------------------------------------------------------------------------------
+# The trade-off command
+# ---------------------------------------------------------------------------------------------
+
+
+def test_tradeoffs_command_writes_json_and_table(tmp_path, default_model: LoadedModel, capsys) -> None:
+    tradeoffs.main(["--engines", "eager", "tensorrt", "--precisions", "fp32", "--batch", "2", "--torch-threads", "0",
+                    "--latency-runs", "1", "--throughput-runs", "1", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "latest.json").read_text())
+    rows = {(r["engine"], r["precision"]): r for r in result["rows"]}
+    eager = rows[("eager", "fp32")]
+    assert eager["available"] and eager["oracle_exact"] and eager["token_agreement"] == 1.0
+    assert eager["accuracy"] == pytest.approx(evaluate(default_model.model).accuracy)
+    if not torch.cuda.is_available():
+        assert not rows[("tensorrt", "fp32")]["available"] and rows[("tensorrt", "fp32")]["reason"]
+    assert result["environment"]["packages"]["torch"]
+    printed = capsys.readouterr().out
+    assert "| eager | fp32 |" in printed and (tmp_path / "latest.md").read_text().strip() in printed
