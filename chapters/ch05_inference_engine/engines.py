@@ -666,16 +666,13 @@ def unavailable_reason(engine: str, precision: str, device: torch.device) -> str
     return None
 
 
-# What ``--engine auto`` picks, decided from the trade-off run committed in
-# benchmarks/reference/ch05-tradeoffs/ (the README's table): always fp32, because the service
-# promises the oracle's exact tokens. On the CPU, ONNX Runtime: the fastest fp32 engine at batch 1, with
-# a conversion that is cached across restarts. At batch 32 no fp32 engine clearly beat eager on
-# this machine (runs under different load ranked them differently: see the README). torch.compile
-# pays its compilation at EVERY start (Dynamo's tracing is not cached), which a service that
-# restarts, scales out and reloads pays every time. On CUDA
-# (not measured here): TensorRT where installed, else torch.compile with CUDA graphs.
+# What ``--engine auto`` picks: always fp32, because the service promises the oracle's exact tokens.
+# On the CPU, eager: under the harness's load (the server's own batches, 32-64 users) it served more
+# than ONNX Runtime did (benchmarks/reference/cpu/ch05.json vs ch05-onnxruntime.json); ONNX Runtime
+# won only at batch 1 in the trade-off table, and torch.compile pays its compilation at EVERY start.
+# On CUDA (not measured here): TensorRT where installed, else torch.compile with CUDA graphs.
 AUTO_PREFERENCE = {
-    "cpu": ("onnxruntime", "eager"),
+    "cpu": ("eager",),
     "cuda": ("tensorrt", "compile", "eager"),
 }
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks.harness import run_chapter
 from benchmarks.profiles import PROFILE_NAMES, get_profile
-from benchmarks.results import RESULTS_ROOT, BenchmarkResult
+from benchmarks.results import REPO_ROOT, RESULTS_ROOT, BenchmarkResult
 from chapters.ch06_tuned_batching.server import TUNED_CONFIG
 
 
@@ -60,7 +61,14 @@ def summarize(candidate: Candidate, result: BenchmarkResult, path: Path) -> Tria
     if best is None or best.latency_ms is None:
         raise ValueError(f"{candidate.label}: the run measured no successful level")
     return Trial(candidate, best.users, best.qps, best.latency_ms.p50, best.latency_ms.p99,
-                 sum(best.errors_by_status.values()), str(path))
+                 sum(best.errors_by_status.values()), _repo_relative(path))
+
+
+def _repo_relative(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return str(path)
 
 
 def choose(trials: list[Trial], slo_p99_ms: float) -> Trial | None:
@@ -96,6 +104,22 @@ def write_choice(path: Path, chosen: Trial, trials: list[Trial], args: argparse.
     path.write_text(json.dumps(document, indent=2) + "\n")
 
 
+def show(document: dict) -> str:
+    """The tuning table of a written ``tuned.json``, the chosen row marked, with how it was made."""
+    trials = [Trial(Candidate(t["max_batch"], t["min_batch"], t["window_ms"]), t["users"], t["qps"], t["p50_ms"],
+                    t["p99_ms"], t["errors"], t["results_file"]) for t in document["trials"]]
+    chosen = next(t for t in trials if asdict(t.candidate) == document["chosen"])
+    slo = float(document["objective"].split("<= ")[1].split(" ms")[0])
+    env = document["environment"]
+    return "\n".join([
+        table(trials, chosen, slo), "",
+        f"Objective: {document['objective']}. Profile `{document['profile']}` at {document['levels']} users; "
+        f"{env.get('cpu_model')}, {env.get('logical_cores')} cores, torch {env.get('torch')}, commit "
+        f"{(env.get('git_commit') or '?')[:10]}{' (dirty)' if env.get('git_dirty') else ''}.",
+        f"Reproduce: `{document['reproduce']}`; shown by `python -m chapters.ch06_tuned_batching.autotune --show`.",
+    ])
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -116,9 +140,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=TUNED_CONFIG, help="where the choice goes (the ch06 server reads tuned.json)")
     parser.add_argument("--server-arg", action="append", default=[], metavar="FLAG",
                         help="a flag for every candidate's server, repeatable: --server-arg=--engine=eager")
+    parser.add_argument("--show", action="store_true", help="print the table of the tuned file (--out) and exit")
     parser.add_argument("--results", type=Path, help="results directory (default: benchmarks/results/autotune-<profile>)")
     args = parser.parse_args(argv)
-    args.argv = list(argv) if argv is not None else __import__("sys").argv[1:]
+    args.argv = list(argv) if argv is not None else sys.argv[1:]
+    if args.show:
+        print(show(json.loads(args.out.read_text())))
+        return
     profile = get_profile(args.profile)
     results_dir = args.results or RESULTS_ROOT / f"autotune-{profile.name}"
 
