@@ -67,10 +67,11 @@ def _repo_path(path: Path) -> str:
 
 
 def _cells(row: TableRow) -> list[str]:
+    """QPS and tokens/s at saturation; latencies at the top load, so two runs compare at the same load."""
     latency = lambda v: "—" if v is None else f"{v:,.0f}"  # noqa: E731
     return [
-        f"{row.qps:,.1f}" if row.qps is not None else "—", latency(row.p50_ms), latency(row.p99_ms),
-        latency(row.tokens_per_s), str(row.users), str(row.errors),
+        f"{row.qps:,.1f}" if row.qps is not None else "—", latency(row.tokens_per_s), str(row.users),
+        latency(row.p50_top_ms), latency(row.p99_top_ms), str(row.top_users), str(row.errors),
     ]
 
 
@@ -86,8 +87,8 @@ def comparison_block(
     """This run against the one before it (previous chapter, or a variant's own chapter), ratio and provenance."""
     this_row = measured_row(this, None)
     lines = [
-        "| run | QPS | P50 (ms) | P99 (ms) | tokens/s | users | errors |",
-        "|---|---|---|---|---|---|---|",
+        "| run | QPS | tokens/s | at users | P50 (ms) | P99 (ms) | at users | errors |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     if before is not None:
         before_row = measured_row(before, None)
@@ -95,10 +96,12 @@ def comparison_block(
     lines.append(f"| **{this.label}** | " + " | ".join(_cells(this_row)) + " |")
     if before is not None:
         ratios = [
-            _ratio(this_row.qps, before_row.qps), _ratio(this_row.p50_ms, before_row.p50_ms),
-            _ratio(this_row.p99_ms, before_row.p99_ms), _ratio(this_row.tokens_per_s, before_row.tokens_per_s),
+            _ratio(this_row.qps, before_row.qps), _ratio(this_row.tokens_per_s, before_row.tokens_per_s), "",
+            _ratio(this_row.p50_top_ms, before_row.p50_top_ms), _ratio(this_row.p99_top_ms, before_row.p99_top_ms),
         ]
         lines.append(f"| {this.label} / {before.label} | " + " | ".join(ratios) + " | | |")
+    lines += ["", "QPS and tokens/s at saturation (the load with the highest QPS); P50 and P99 at the highest "
+              "load measured, the same for both runs."]
     lines += ["", environment_line({this.label: this})]
     lines += ["", f"Reproduce: `{this.config.reproduce}`" + (f" and `{before.config.reproduce}`" if before else "")]
     files = [this, before] if before else [this]

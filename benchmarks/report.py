@@ -8,6 +8,9 @@ Definitions used throughout:
 - plots are :class:`matplotlib.figure.Figure` objects, not pyplot: ``savefig`` renders them with the
   Agg backend whatever backend is active (none on servers and CI), and nothing global is left open.
   A notebook shows them with ``display(figure)``.
+- *P99 at the top load*: the P99 at the highest concurrency measured, the same load for every chapter
+  of a profile. The climb plot draws this one: a saturation P99 would compare a chapter that is
+  saturated at one user (ch01) at one user with the others at 64.
 - *knee* (:func:`find_knee`): the highest load before the first level at which P99 exceeds twice
   its value at the lowest load, or QPS stops growing (gains less than 10 % over the level below).
 """
@@ -103,6 +106,9 @@ class TableRow:
     ratio_to_baseline: float | None = None
     knee_users: int | None = None
     knee_reached: bool = False
+    top_users: int | None = None  # the highest load measured
+    p50_top_ms: float | None = None  # the P50 there
+    p99_top_ms: float | None = None  # the P99 there
     article_qps: float | None = None
     article_p99_ms: float | None = None
     article_ratio: float | None = None
@@ -120,6 +126,7 @@ def measured_row(result: BenchmarkResult, baseline_qps: float | None) -> TableRo
     saturation = result.saturation()
     errors = _errors(result)
     knee = knee_of(result)
+    top = max(result.levels, key=lambda level: level.users, default=None)
     return TableRow(
         label=result.label, chapter=result.chapter, measured=True, note="",
         users=saturation.users if saturation else None,
@@ -130,6 +137,9 @@ def measured_row(result: BenchmarkResult, baseline_qps: float | None) -> TableRo
         errors=sum(errors.values()), errors_by_status=tuple(errors.items()),
         ratio_to_baseline=(saturation.qps / baseline_qps) if saturation and baseline_qps else None,
         knee_users=knee.users if knee else None, knee_reached=bool(knee and knee.reached),
+        top_users=top.users if top else None,
+        p50_top_ms=top.latency_ms.p50 if top and top.latency_ms else None,
+        p99_top_ms=top.latency_ms.p99 if top and top.latency_ms else None,
         **_article_fields(result.label),  # a variant's label is not a chapter: no article figures
     )
 
@@ -204,8 +214,12 @@ def _knee_cell(row: TableRow) -> str:
     return str(row.knee_users) if row.knee_reached else f"> {row.knee_users}"
 
 
+def _top_cell(row: TableRow) -> str:
+    return "—" if row.p99_top_ms is None else f"{_fmt(row.p99_top_ms)} @ {row.top_users}"
+
+
 TABLE_HEADER = (
-    "| chapter | QPS | P50 (ms) | P99 (ms) | tokens/s | users | knee (users) | errors | × ch01 "
+    "| chapter | QPS | P50 (ms) | P99 (ms) | tokens/s | users | P99 at top load (ms) | knee (users) | errors | × ch01 "
     "| article QPS | article P99 (ms) | article × ch01 |"
 )
 
@@ -216,10 +230,11 @@ def render_rows(rows: Sequence[TableRow]) -> list[str]:
         if row.measured:
             cells = [
                 row.label, _fmt(row.qps, 1), _fmt(row.p50_ms), _fmt(row.p99_ms), _fmt(row.tokens_per_s),
-                str(row.users), _knee_cell(row), _errors_cell(row), _fmt(row.ratio_to_baseline, 2, "×"),
+                str(row.users), _top_cell(row), _knee_cell(row), _errors_cell(row),
+                _fmt(row.ratio_to_baseline, 2, "×"),
             ]
         else:
-            cells = [row.label, f"*{row.note}*", "—", "—", "—", "—", "—", "—", "—"]
+            cells = [row.label, f"*{row.note}*", "—", "—", "—", "—", "—", "—", "—", "—"]
         cells += [_fmt(row.article_qps), _fmt(row.article_p99_ms), _fmt(row.article_ratio, 2, "×")]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -255,8 +270,8 @@ def environment_line(results: Mapping[str, BenchmarkResult]) -> str:
     return (
         f"Profile `{config.profile}`, workload `{config.workload}` ({config.max_new_tokens} new tokens, prompts "
         f"{'/'.join(map(str, config.prompt_lengths))}), closed loop. Measured on {where}; {pinning}; torch threads "
-        f"{env.torch_threads}; torch {env.torch}; commit {commit}. QPS, latencies and tokens/s at saturation "
-        f"(the level with the highest QPS); knee: last load before P99 doubles or QPS gains < 10 %."
+        f"{env.torch_threads}; torch {env.torch}; commit {commit}. Saturation: the level with the highest QPS; "
+        f"top load: the highest level measured; knee: last load before P99 doubles or QPS gains < 10 %."
     )
 
 
@@ -367,13 +382,13 @@ def plot_climb(rows: Sequence[TableRow], axes=None, title: str = "The climb"):
     ax.set_title(title)
 
     latency_ax = ax.twinx()
-    measured = [(i, row.p99_ms / 1e3) for i, row in enumerate(rows) if row.p99_ms is not None]
+    measured = [(i, row.p99_top_ms / 1e3) for i, row in enumerate(rows) if row.p99_top_ms is not None]
     article = [(i, row.article_p99_ms / 1e3) for i, row in enumerate(rows) if row.article_p99_ms is not None]
     if measured:
-        latency_ax.plot(*zip(*measured, strict=True), "o-", color="tab:red", label="P99, measured")
+        latency_ax.plot(*zip(*measured, strict=True), "o-", color="tab:red", label="P99 at the top load, measured")
     if article:
         latency_ax.plot(*zip(*article, strict=True), "s--", color="tab:red", alpha=0.4, label="P99, article")
-    latency_ax.set_ylabel("P99 latency (s) at saturation")
+    latency_ax.set_ylabel("P99 latency (s)")
     latency_ax.set_ylim(bottom=0)
     (bar_handles, bar_labels), (line_handles, line_labels) = (
         ax.get_legend_handles_labels(), latency_ax.get_legend_handles_labels()

@@ -135,9 +135,10 @@ def test_build_rows_takes_figures_at_the_highest_qps_level():
 
 def test_render_table_rows():
     table = render_table(_climb(), ["ch01", "ch02", "ch03"], {"ch03": "not built yet"})
-    assert "| ch01 | 21.0 | 380 | 420 | 672 | 8 | 1 | 0 | 1.00× | 12 | 3,500 | 1.00× |" in table
-    assert "| ch02 | 25.0 | 320 | 360 | 800 | 8 | 1 | 3 (429: 3) | 1.19× | 28 | 1,800 | 2.33× |" in table
-    assert "| ch03 | *not built yet* | — | — | — | — | — | — | — | 95 | 600 | 7.92× |" in table
+    # P99 at the top load: the 64-user level of each (3,300 and 2,700 ms), the same load for both
+    assert "| ch01 | 21.0 | 380 | 420 | 672 | 8 | 3,300 @ 64 | 1 | 0 | 1.00× | 12 | 3,500 | 1.00× |" in table
+    assert "| ch02 | 25.0 | 320 | 360 | 800 | 8 | 2,700 @ 64 | 1 | 3 (429: 3) | 1.19× | 28 | 1,800 | 2.33× |" in table
+    assert "| ch03 | *not built yet* | — | — | — | — | — | — | — | — | 95 | 600 | 7.92× |" in table
 
 
 def test_table_without_baseline_has_no_ratio_and_lists_variants():
@@ -146,7 +147,7 @@ def test_table_without_baseline_has_no_ratio_and_lists_variants():
         "ch02-wide": synthetic_result("ch02", [SyntheticLevel(1, 50, 10, 20)], label="ch02-wide"),
     }
     table = render_table(results, ["ch01", "ch02"], {"ch01": "not built yet"})
-    assert "| ch02 | 25.0 | 320 | 360 | 800 | 8 | 1 | 3 (429: 3) | — |" in table
+    assert "| ch02 | 25.0 | 320 | 360 | 800 | 8 | 2,700 @ 64 | 1 | 3 (429: 3) | — |" in table
     assert "| ch02-wide | ch02 | 50.0 | 10 | 20 | 1 | 0 | 2.00× |" in table  # 50 / 25 of its own chapter
 
 
@@ -218,9 +219,10 @@ def test_update_readmes_from_reference_results(tmp_path: Path):
     assert text.startswith("# ch02\n\n<!-- results:ch02 -->\n") and text.endswith("<!-- /results -->\nthe end\n")
     ch02 = text.split("<!-- results:ch02 -->")[1].split("<!-- /results -->")[0]
     # write_synthetic_climb: ch01 peaks at 21 QPS (8 users), ch02 at 25 QPS (8 users): 25 / 21 = 1.19
-    assert "| ch01 | 21.0 | 380 | 420 | 672 | 8 | 0 |" in ch02
-    assert "| **ch02** | 25.0 | 320 | 360 | 800 | 8 | 0 |" in ch02
-    assert "| ch02 / ch01 | 1.19× |" in ch02
+    # QPS and tokens/s at saturation (8 users); P50/P99 at the top load (64 users) for both runs
+    assert "| ch01 | 21.0 | 672 | 8 | 3,000 | 3,300 | 64 | 0 |" in ch02
+    assert "| **ch02** | 25.0 | 800 | 8 | 2,560 | 2,700 | 64 | 0 |" in ch02
+    assert "| ch02 / ch01 | 1.19× | 1.19× |  | 0.85× | 0.82× |" in ch02  # 2560/3000, 2700/3300
     assert "`python -m benchmarks run --chapter ch02 --profile cpu`" in ch02
     assert "ch02.json" in ch02
     workers = text.split("<!-- results:ch01-workers -->")[1].split("<!-- /results -->")[0]
