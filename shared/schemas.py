@@ -15,7 +15,14 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    model_validator,
+)
 
 from shared.tokenizer import Tokenizer
 
@@ -63,6 +70,10 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         return error_body(self.type, self.message)
+
+
+# The error type of statuses the web framework raises itself (unknown route, wrong method, body limit).
+STATUS_ERROR_TYPES = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
 
 
 def error_body(type_: str, message: str) -> dict:

@@ -17,6 +17,7 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from shared.schemas import (
     REQUEST_ID_HEADER,
+    STATUS_ERROR_TYPES,
     ApiError,
     ContractLimits,
     ValidRequest,
@@ -56,9 +57,6 @@ def _error_response(status: int, type_: str, message: str, headers: dict[str, st
     return jsonify(error_body(type_, message)), status, headers or {}
 
 
-_STATUS_TYPES = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
-
-
 def create_app(
     *,
     title: str,
@@ -88,7 +86,7 @@ def create_app(
     def _http_error(exc: HTTPException) -> ResponseReturnValue:
         # Keep what the status needs (Allow on a 405) but not Werkzeug's HTML content type.
         headers = {k: v for k, v in exc.get_headers() if k.lower() != "content-type"}
-        return _error_response(exc.code or 500, _STATUS_TYPES.get(exc.code, "http_error"), exc.description or exc.name, headers)
+        return _error_response(exc.code or 500, STATUS_ERROR_TYPES.get(exc.code, "http_error"), exc.description or exc.name, headers)
 
     @app.errorhandler(Exception)
     def _unexpected(exc: Exception) -> ResponseReturnValue:

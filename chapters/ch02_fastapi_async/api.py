@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shared.schemas import (
     REQUEST_ID_HEADER,
+    STATUS_ERROR_TYPES,
     ApiError,
     ContractLimits,
     ValidRequest,
@@ -65,9 +66,6 @@ def _error_response(request: Request, status: int, type_: str, message: str, hea
     return JSONResponse(error_body(type_, message), status_code=status, headers=headers)
 
 
-_STATUS_TYPES = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
-
-
 def create_app(
     *,
     title: str,
@@ -86,7 +84,7 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        type_ = _STATUS_TYPES.get(exc.status_code, "http_error")
+        type_ = STATUS_ERROR_TYPES.get(exc.status_code, "http_error")
         return _error_response(request, exc.status_code, type_, str(exc.detail), getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
