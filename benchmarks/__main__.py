@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     climb = commands.add_parser("climb", help="benchmark every chapter in order, then the table and plots")
     climb.add_argument("--chapters", type=lambda text: [c.strip() for c in text.split(",") if c.strip()])
     climb.add_argument("--ceiling", action="store_true", help="measure the harness's ceiling first")
+    climb.add_argument("--repeat", type=int, default=1, metavar="N",
+                       help="N interleaved rounds; each chapter keeps its median run (a shared machine's noise)")
     _add_common(climb)
     _add_measuring(climb)
 
@@ -114,7 +116,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_climb(args: argparse.Namespace) -> int:
-    from benchmarks.harness import climb, results_dir
+    from benchmarks.harness import climb, climb_repeated, results_dir
 
     profile = get_profile(args.profile)
     print(f"climb on the {profile.name!r} profile (asked: {args.profile}), workload {args.workload!r}")
@@ -124,9 +126,11 @@ def cmd_climb(args: argparse.Namespace) -> int:
         from benchmarks.ceiling import run_ceiling
 
         saved.append(run_ceiling(profile, out_dir=args.out)[1])
-    outcome = climb(
-        profile, chapters=args.chapters, workload=args.workload, out_dir=args.out, levels=args.levels, weights=args.weights
-    )
+    options = dict(chapters=args.chapters, workload=args.workload, levels=args.levels, weights=args.weights)
+    if args.repeat > 1:
+        outcome = climb_repeated(profile, args.repeat, out_dir=args.out, **options)
+    else:
+        outcome = climb(profile, out_dir=args.out, **options)
     print(f"climb finished in {time.monotonic() - began:.0f} s")
     notes = {chapter: "failed" for chapter in outcome.failed}
     _print_report(results_dir(profile, args.out), args.workload, notes)

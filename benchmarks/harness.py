@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import shlex
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +29,7 @@ from benchmarks.results import (
     LevelResult,
     RunConfig,
     ServerRun,
+    load_result,
     save_result,
 )
 from benchmarks.server_process import running_server
@@ -243,4 +245,43 @@ def climb(
             continue
         outcome.written[chapter] = path
         progress(f"{chapter}: done in {time.monotonic() - began:.0f} s")
+    return outcome
+
+
+def median_run(paths: Sequence[Path]) -> Path:
+    """Of several runs of one chapter, the one whose saturation QPS is the median (the lower middle
+    for an even count): a real run, its latencies and environment intact, not an average of runs."""
+    if not paths:
+        raise ValueError("no runs to choose from")
+    by_qps = sorted(paths, key=lambda path: (load_result(path).saturation().qps if load_result(path).levels else 0.0))
+    return by_qps[(len(by_qps) - 1) // 2]
+
+
+def climb_repeated(
+    profile: Profile,
+    repeat: int,
+    *,
+    out_dir: Path | None = None,
+    progress: Progress = print,
+    **climb_args,
+) -> ClimbOutcome:
+    """``repeat`` rounds of the whole climb, interleaved (ch01..ch06, ch01..ch06, ...) so a slow
+    spell of a shared machine hits every chapter alike; each chapter keeps its median run, copied to
+    the results directory where a single climb would have written it."""
+    directory = results_dir(profile, out_dir)
+    rounds = [climb(profile, out_dir=directory / "rounds" / f"round{r}", progress=progress, **climb_args)
+              for r in range(1, repeat + 1)]
+    outcome = ClimbOutcome(skipped=rounds[0].skipped)
+    for chapter in rounds[0].written.keys() | {c for o in rounds for c in o.written}:
+        runs = [o.written[chapter] for o in rounds if chapter in o.written]
+        failures = [o.failed[chapter] for o in rounds if chapter in o.failed]
+        if failures:
+            outcome.failed[chapter] = failures[0]
+            continue
+        chosen = median_run(runs)
+        qps = sorted(load_result(path).saturation().qps for path in runs)
+        target = directory / chosen.name
+        shutil.copyfile(chosen, target)
+        outcome.written[chapter] = target
+        progress(f"{chapter}: median of {len(runs)} runs kept ({', '.join(f'{q:.1f}' for q in qps)} QPS)")
     return outcome

@@ -296,3 +296,16 @@ def test_the_harness_never_imports_locust():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           cwd=Path(__file__).resolve().parent.parent)
     assert done.stdout.split() == ["False", "False"]
+
+
+def test_median_run_keeps_the_middle_run_whole(tmp_path):
+    from benchmarks.harness import median_run
+    from benchmarks.results import save_result
+
+    paths = []
+    for number, qps in enumerate((30.0, 10.0, 20.0)):
+        result = synthetic_result("ch03", [SyntheticLevel(1, qps / 2, 50, 60), SyntheticLevel(8, qps, 300, 400)])
+        paths.append(save_result(result, tmp_path / f"round{number}"))
+    chosen = median_run(paths)
+    assert chosen == paths[2]  # 20 QPS: the median of 10, 20, 30
+    assert median_run(paths[:2]) == paths[1]  # an even count keeps the lower middle (10 of 10, 30)
