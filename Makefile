@@ -8,6 +8,8 @@ PROFILE ?= auto
 FROM ?= ch01
 TO ?= ch02
 PYTEST_ARGS ?=
+# Interleaved rounds of the climb; each chapter keeps its median run (a shared machine is noisy).
+REPEAT ?= 3
 
 .PHONY: setup climb test test-slow serve diff model bench reference ceiling notebooks
 
@@ -17,7 +19,7 @@ setup:
 
 # The main job: every chapter under load, the table and the plots.
 climb: setup
-	$(PYTHON) -m benchmarks climb --profile $(PROFILE)
+	$(PYTHON) -m benchmarks climb --profile $(PROFILE) --repeat $(REPEAT)
 
 test: setup
 	$(PYTHON) -m pytest $(PYTEST_ARGS)
@@ -30,7 +32,7 @@ serve:
 
 # Record reference results (commit benchmarks/reference/ afterwards) and refill the READMEs' result blocks.
 reference: setup
-	$(PYTHON) -m benchmarks climb --profile $(PROFILE) --ceiling --save-reference
+	$(PYTHON) -m benchmarks climb --profile $(PROFILE) --ceiling --repeat $(REPEAT) --save-reference
 	$(PYTHON) -m benchmarks readme
 
 ceiling:

@@ -272,7 +272,7 @@ def climb_repeated(
     rounds = [climb(profile, out_dir=directory / "rounds" / f"round{r}", progress=progress, **climb_args)
               for r in range(1, repeat + 1)]
     outcome = ClimbOutcome(skipped=rounds[0].skipped)
-    for chapter in rounds[0].written.keys() | {c for o in rounds for c in o.written}:
+    for chapter in sorted({c for o in rounds for c in (*o.written, *o.failed)}):
         runs = [o.written[chapter] for o in rounds if chapter in o.written]
         failures = [o.failed[chapter] for o in rounds if chapter in o.failed]
         if failures:

@@ -146,7 +146,8 @@ def climb_block(results: Mapping[str, BenchmarkResult], directory: Path, readme:
     if images:
         parts.append("\n".join(images))
     parts.append(
-        f"Reproduce: `make climb PROFILE={profile}` (= `python -m benchmarks climb --profile {profile}`). "
+        f"Reproduce: `make climb PROFILE={profile}` (= `python -m benchmarks climb --profile {profile} --repeat 3`: "
+        f"three interleaved rounds, each chapter's median run kept). "
         f"Reference results: [`{_repo_path(directory)}/`]({_relative(directory, readme)}/) "
         f"(rewritten by `python -m benchmarks readme --profile {profile}`)."
     )
