@@ -248,12 +248,18 @@ def climb(
     return outcome
 
 
+def saturation_qps(path: Path) -> float:
+    saturation = load_result(path).saturation()
+    return saturation.qps if saturation else 0.0
+
+
 def median_run(paths: Sequence[Path]) -> Path:
     """Of several runs of one chapter, the one whose saturation QPS is the median (the lower middle
     for an even count): a real run, its latencies and environment intact, not an average of runs."""
     if not paths:
         raise ValueError("no runs to choose from")
-    by_qps = sorted(paths, key=lambda path: (load_result(path).saturation().qps if load_result(path).levels else 0.0))
+    qps = {path: saturation_qps(path) for path in paths}  # each file read once
+    by_qps = sorted(paths, key=qps.__getitem__)
     return by_qps[(len(by_qps) - 1) // 2]
 
 
@@ -279,7 +285,7 @@ def climb_repeated(
             outcome.failed[chapter] = failures[0]
             continue
         chosen = median_run(runs)
-        qps = sorted(load_result(path).saturation().qps for path in runs)
+        qps = sorted(saturation_qps(path) for path in runs)
         target = directory / chosen.name
         shutil.copyfile(chosen, target)
         outcome.written[chapter] = target
