@@ -79,7 +79,7 @@ def collect_environment(profile: Profile, server_cores: list[int] | None, loadge
         cuda=cuda,
         load_average_at_start=[round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
         torch_threads=profile.torch_threads,
-        thread_env=profile.thread_env(),
+        thread_env=profile.server_env(),
         pinning=server_cores is not None,
         server_cores=server_cores,
         loadgen_cores=loadgen_cores,

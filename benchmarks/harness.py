@@ -164,7 +164,7 @@ def run_chapter(
 
     launched = time.monotonic()
     with running_server(
-        chapter, args, env=profile.thread_env(), cpu_cores=server_cores, log_path=work_dir / "server.log"
+        chapter, args, env=profile.server_env(), cpu_cores=server_cores, log_path=work_dir / "server.log"
     ) as server:
         startup_s = time.monotonic() - launched
         warm_up(server.url, chosen_workload, profile.warmup_requests, profile.vocab_size, profile.request_timeout_s)

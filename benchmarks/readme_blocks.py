@@ -39,6 +39,12 @@ from benchmarks.results import (
 )
 from benchmarks.workload import WORKLOADS
 
+# How a profile's committed climb was made, when not by ``make climb`` (shown under its table).
+CLIMB_REPRODUCE = {
+    "gpu": ("`bash benchmarks/gpu_climb.sh OUTDIR` on a CUDA machine (one round, one run per chapter: "
+            "sized for a 10-minute lease; `make climb PROFILE=gpu` runs three rounds)"),
+}
+
 BLOCK = re.compile(r"(?P<open><!-- results:(?P<key>[A-Za-z0-9_.@\-]+) -->)(?P<body>.*?)(?P<close><!-- /results -->)", re.S)
 
 
@@ -145,9 +151,11 @@ def climb_block(results: Mapping[str, BenchmarkResult], directory: Path, readme:
     ]
     if images:
         parts.append("\n".join(images))
+    how = CLIMB_REPRODUCE.get(profile, (
+        f"`make climb PROFILE={profile}` (= `python -m benchmarks climb --profile {profile} --repeat 3`: "
+        "three interleaved rounds, each chapter's median run kept)"))
     parts.append(
-        f"Reproduce: `make climb PROFILE={profile}` (= `python -m benchmarks climb --profile {profile} --repeat 3`: "
-        f"three interleaved rounds, each chapter's median run kept). "
+        f"Reproduce: {how}. "
         f"Reference results: [`{_repo_path(directory)}/`]({_relative(directory, readme)}/) "
         f"(rewritten by `python -m benchmarks readme --profile {profile}`)."
     )

@@ -41,7 +41,7 @@ class Environment(_Strict):
     cuda: str | None
     load_average_at_start: list[float] | None = Field(description="1/5/15-minute load: a busy machine skews every figure")
     torch_threads: int = Field(description="--torch-threads given to every server")
-    thread_env: dict[str, str] = Field(description="OMP/MKL/OpenBLAS thread variables given to every server")
+    thread_env: dict[str, str] = Field(description="environment given to every server: OMP/MKL/OpenBLAS thread variables and the profile's SFS_* settings")
     pinning: bool = Field(description="server and load generator pinned to separate cores")
     server_cores: list[int] | None
     loadgen_cores: list[int] | None

@@ -105,18 +105,22 @@ LogitsFn = Callable[[Tensor], Tensor]  # (B, T) ids -> (B, T, V) logits
 
 
 @torch.no_grad()
-def evaluate(logits_fn: LogitsFn, pairs: list[tuple[int, int]] | None = None, batch_size: int = 256) -> TaskScore:
+def evaluate(
+    logits_fn: LogitsFn, pairs: list[tuple[int, int]] | None = None, batch_size: int = 256,
+    device: torch.device | str = "cpu",
+) -> TaskScore:
     """Exact-match accuracy on held-out additions, greedy, prompt ``"ab+cd="``.
 
     ``logits_fn`` is anything that maps ids to logits: the model itself, or an engine wrapper at
-    another precision. All prompts have six bytes, so batches need no padding.
+    another precision; the ids are on ``device``, where the model is. All prompts have six bytes,
+    so batches need no padding.
     """
     tokenizer = ByteTokenizer()
     pairs = HELD_OUT_PAIRS if pairs is None else pairs
     correct = 0
     for start in range(0, len(pairs), batch_size):
         chunk = pairs[start : start + batch_size]
-        ids = torch.tensor([tokenizer.encode(f"{a}+{b}=") for a, b in chunk], dtype=torch.long)
+        ids = torch.tensor([tokenizer.encode(f"{a}+{b}=") for a, b in chunk], dtype=torch.long, device=device)
         for _ in range(4):  # at most three digits, then the newline
             logits = logits_fn(ids)
             next_ids = logits[:, -1, :].float().argmax(dim=-1, keepdim=True).to(ids.device)

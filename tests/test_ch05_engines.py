@@ -24,9 +24,11 @@ from chapters.ch05_inference_engine import tradeoffs
 from chapters.ch05_inference_engine.engines import (
     ENGINES,
     PRECISIONS,
+    Bf16MatmulLinear,
     Engine,
     EngineUnavailable,
     build_engine,
+    crossover_from_timings,
     unavailable_reason,
 )
 from shared.corpus import evaluate
@@ -227,3 +229,64 @@ def test_tradeoffs_command_writes_json_and_table(tmp_path, default_model: Loaded
     assert result["environment"]["packages"]["torch"]
     printed = capsys.readouterr().out
     assert "| eager | fp32 |" in printed and (tmp_path / "latest.md").read_text().strip() in printed
+
+
+# ---------------------------------------------------------------------------------------------
+# bf16 on the CPU: bf16 matrix products from a measured row count, fp32 below it
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("timings", "expected"),
+    [
+        ({1: (10, 20), 2: (10, 12), 4: (10, 9), 8: (20, 10)}, 4),  # bf16 wins from 4 rows on
+        ({1: (10, 5), 2: (10, 12), 4: (10, 9)}, 4),  # a win below a loss does not count
+        ({1: (10, 20), 2: (10, 20)}, None),  # never wins (a CPU that emulates bf16): never used
+        ({1: (10, 5), 2: (10, 5)}, 1),
+    ],
+)
+def test_crossover_is_where_bf16_wins_from_then_on(timings: dict, expected: int | None) -> None:
+    assert crossover_from_timings(timings) == expected
+
+
+def test_bf16_matmul_linear_is_exact_fp32_below_its_threshold_and_bf16_above() -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96)
+    mixed = Bf16MatmulLinear(linear, min_rows=8)
+    small, large = torch.randn(1, 4, 64), torch.randn(2, 8, 64)
+    with torch.no_grad():
+        assert torch.equal(mixed(small), linear(small))
+        in_bf16 = torch.nn.functional.linear(large.bfloat16(), linear.weight.bfloat16(), linear.bias.bfloat16()).float()
+        out = mixed(large)
+        assert out.dtype == torch.float32 and torch.equal(out, in_bf16)
+        assert not torch.equal(out, linear(large))  # it really took the bf16 path ...
+        torch.testing.assert_close(out, linear(large), atol=0.05, rtol=0.02)  # ... which stays close
+
+
+def test_bf16_engine_on_the_cpu_keeps_activations_and_cache_fp32(engine_for) -> None:
+    engine = engine_for("eager", "bf16")
+    if engine.device.type != "cpu":
+        pytest.skip("bf16 on a GPU casts the whole model")
+    assert engine.dtype == torch.float32
+    linears = [m for m in engine.module.modules() if isinstance(m, Bf16MatmulLinear)]
+    assert len(linears) == 4 * engine.config.n_layer
+    assert "bf16 matmuls from" in engine.conversion.notes[0]
+
+
+def test_the_fastest_row_within_tolerance_is_the_auto_rule() -> None:
+    def row(engine: str, precision: str, accuracy: float, throughput: float, available: bool = True) -> dict:
+        return {"engine": engine, "precision": precision, "accuracy": accuracy, "throughput_tok_s": throughput,
+                "available": available}
+
+    rows = [row("eager", "fp32", 0.99, 100), row("eager", "bf16", 0.98, 150), row("eager", "int8", 0.90, 300),
+            row("onnxruntime", "fp32", 0.99, 120), row("tensorrt", "fp16", 0.0, 0.0, available=False)]
+    assert tradeoffs.fastest_within_tolerance(rows)["precision"] == "bf16"  # int8 is faster but lost 9 points
+    assert tradeoffs.fastest_within_tolerance(rows[1:]) is None  # no fp32 eager row: nothing to compare with
+    rows[1]["throughput_tok_s"] = 105  # within noise of fp32 (and ONNX Runtime's 1.2x is the best left)
+    assert tradeoffs.fastest_within_tolerance(rows)["engine"] == "onnxruntime"
+    rows[3]["throughput_tok_s"] = 104
+    best = tradeoffs.fastest_within_tolerance(rows)
+    assert (best["engine"], best["precision"]) == ("eager", "fp32")  # nothing pays enough: stay exact
+    rows[1]["throughput_tok_s"], rows[3]["throughput_tok_s"] = 150, 160  # another engine, within 10 % of eager/bf16
+    best = tradeoffs.fastest_within_tolerance(rows)
+    assert (best["engine"], best["precision"]) == ("eager", "bf16")

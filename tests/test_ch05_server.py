@@ -1,7 +1,8 @@
 """Chapter 5's server in-process: the engine flags reach the batches, and an engine that cannot run refuses to start.
 
 The contract and the oracle's tokens under concurrency are checked by the cross-chapter tests
-(``test_contract.py``, ``test_equivalence.py``) on the real process with its default engine.
+(``test_contract.py``, ``test_equivalence.py``) on the real process at ``--precision fp32``; the
+default precision's accuracy is held to its tolerance in ``test_ch05_engines.py``.
 """
 
 from __future__ import annotations
@@ -10,7 +11,13 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from chapters.ch05_inference_engine.engines import EngineUnavailable, unavailable_reason
+from chapters.ch05_inference_engine.engines import (
+    EngineUnavailable,
+    _activation_dtype,
+    auto_precision,
+    cpu_has_native_bf16,
+    unavailable_reason,
+)
 from chapters.ch05_inference_engine.server import EngineSettings, build_app
 from shared.settings import parse_settings
 
@@ -23,22 +30,33 @@ def test_server_answers_with_a_reduced_precision_engine(oracle) -> None:
     with TestClient(build_app(settings_for("--engine", "eager", "--precision", "bf16"))) as client:
         health = client.get("/healthz").json()
         assert health["chapter"] == "ch05"
+        assert (health["engine"]["engine"], health["engine"]["precision"]) == ("eager", "bf16")
         body = client.post("/v1/inference", json={"prompt": "12+34=", "max_new_tokens": 4}).json()
         assert len(body["output_ids"]) == 4
         pool = client.get("/stats").json()["pool"]
-        assert pool["bytes_total"] == pool["blocks_total"] * pool["block_tokens"] * 2 * 4 * 256 * 2  # bf16 keys and values
+        # The pool is allocated in the engine's dtype: bf16 keys and values on a GPU, fp32 on the CPU
+        # (where bf16 is used for the matrix products only).
+        element = torch.tensor([], dtype=_activation_dtype("bf16", torch.device("cpu"))).element_size()
+        assert pool["bytes_total"] == pool["blocks_total"] * pool["block_tokens"] * 2 * 4 * 256 * element
 
 
-def test_server_with_the_default_engine_returns_the_oracles_tokens(oracle) -> None:
-    with TestClient(build_app(settings_for())) as client:
+def test_fp32_server_returns_the_oracles_tokens(oracle) -> None:
+    with TestClient(build_app(settings_for("--precision", "fp32"))) as client:
         ids = list(b"the old robot paints a ")
         body = client.post("/v1/inference", json={"input_ids": ids, "max_new_tokens": 12}).json()
         assert body["output_ids"] == oracle(ids, 12)
+
+
+def test_the_default_precision_is_the_measured_choice_for_this_device() -> None:
+    with TestClient(build_app(settings_for())) as client:
+        engine = client.get("/healthz").json()["engine"]
+    assert engine["precision"] == auto_precision(torch.device("cpu"))
+    assert engine["precision"] == ("bf16" if cpu_has_native_bf16() else "fp32")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: TensorRT may be real here")
 def test_an_engine_that_cannot_run_refuses_to_start_and_says_why() -> None:
     reason = unavailable_reason("tensorrt", "fp32", torch.device("cpu"))
     with pytest.raises(EngineUnavailable, match="tensorrt/fp32") as raised:
-        build_app(settings_for("--engine", "tensorrt"))
+        build_app(settings_for("--engine", "tensorrt", "--precision", "fp32"))
     assert reason in str(raised.value)

@@ -22,7 +22,18 @@ def test_arrival_rate_is_a_weighted_mean_of_gaps() -> None:
     assert rate.mean_gap_s == pytest.approx(0.002)
     rate.observe(0.008)  # gap 0.004: mean 0.002 + 0.5 * (0.004 - 0.002)
     assert rate.mean_gap_s == pytest.approx(0.003)
-    assert rate.expected_within(0.006, now=0.008) == pytest.approx(2.0)
+    assert rate.expected_within(0.006, now=0.008) == pytest.approx(2.0)  # the mean is the shorter gap
+
+
+def test_a_burst_after_a_long_silence_counts_at_once() -> None:
+    """A closed loop on a GPU: a batch computes for 100 ms, then its 16 users come back together."""
+    rate = ArrivalRate()
+    for t in (0.0, 0.1, 0.2, 0.3):  # one arrival per 100 ms batch so far
+        rate.observe(t)
+    assert rate.expected_within(WINDOW_S, now=0.3) < 1.0  # a lone arrival after the silence: no company known
+    rate.observe(0.3003)  # the burst's second request, 0.3 ms later
+    assert rate.mean_gap_s > 0.05  # the mean still remembers the silences ...
+    assert rate.expected_within(WINDOW_S, now=0.3003) >= 1.0  # ... the latest gap says company is here
 
 
 def test_a_long_silence_lowers_the_expected_arrivals() -> None:
@@ -75,6 +86,34 @@ def test_under_load_the_window_grows_and_batches_fill() -> None:
             futures.append(batcher.enqueue(i))
         assert await asyncio.gather(*futures) == [f"out:{i}" for i in range(8)]
         assert model.batches == [list(range(8))]
+        await batcher.close()
+
+    run(scenario)
+
+
+def test_a_burst_that_starts_after_a_busy_silence_leaves_as_one_batch() -> None:
+    """The GPU case: after a silence the burst's first request opens a 1 ms window; the second one,
+    0.2 ms later, widens it to the full window, so the burst is not split into a lone request and the rest."""
+
+    async def scenario() -> None:
+        batcher, model, clock = await make(min_batch=16, max_batch=64)
+        for round_ in range(3):  # earlier batches, one user each, 100 ms apart
+            future = batcher.enqueue(f"lone{round_}")
+            await clock.until_parked()
+            await clock.advance(MIN_WINDOW_S)
+            await future
+            await clock.advance(0.1)
+        futures = [batcher.enqueue(0)]
+        await clock.until_parked()
+        assert clock.deadline == pytest.approx(clock.time + MIN_WINDOW_S)  # alone so far: the short window
+        opened = clock.time
+        await clock.advance(0.0002)
+        futures += [batcher.enqueue(i) for i in range(1, 6)]  # the rest of the burst
+        await clock.until_parked()
+        assert clock.deadline == pytest.approx(opened + WINDOW_S)  # company came: the full window
+        await clock.advance(WINDOW_S)
+        assert await asyncio.gather(*futures) == [f"out:{i}" for i in range(6)]
+        assert model.batches[-1] == list(range(6))
         await batcher.close()
 
     run(scenario)

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 import requests
+from chapter_flags import oracle_exact_args
 
 from benchmarks.server_process import RunningServer
 from chapters import CHAPTERS
@@ -25,7 +26,7 @@ TIMEOUT_S = 120
 
 @pytest.fixture(scope="module", params=list(CHAPTERS))
 def chapter_server(request, server) -> Iterator[RunningServer]:
-    with server(request.param, "--max-body-bytes", str(BODY_LIMIT)) as running:
+    with server(request.param, *oracle_exact_args(request.param), "--max-body-bytes", str(BODY_LIMIT)) as running:
         yield running
 
 

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
+from chapter_flags import oracle_exact_args
 
 from benchmarks.server_process import RunningServer
 from chapters import CHAPTERS
@@ -49,7 +50,7 @@ def expected(oracle) -> list[tuple[dict, list[int], int, list[int]]]:
 
 @pytest.fixture(scope="module", params=list(CHAPTERS))
 def chapter_server(request, server, expected) -> Iterator[RunningServer]:
-    with server(request.param) as running:
+    with server(request.param, *oracle_exact_args(request.param)) as running:
         yield running
 
 

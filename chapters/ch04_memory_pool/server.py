@@ -247,7 +247,8 @@ def build_app(
         limits=settings.limits(loaded.config.vocab_size, loaded.config.n_ctx),
         tokenizer=loaded.tokenizer,
         generate=generate,
-        health=lambda: {"chapter": chapter, "model": loaded.source, "prefill": settings.prefill, "batcher": batcher.describe()},
+        health=lambda: {"chapter": chapter, "model": loaded.source, "prefill": settings.prefill, "batcher": batcher.describe(),
+                        **({"engine": batch_model.describe()} if hasattr(batch_model, "describe") else {})},
         lifespan=lifespan,
     )
 

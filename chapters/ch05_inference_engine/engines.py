@@ -44,9 +44,11 @@ import shutil
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shared.model import GPT, KVCache, ModelConfig
@@ -175,7 +177,8 @@ def torchao_missing_reason() -> str | None:
 def cast_model(model: GPT, precision: str) -> GPT:
     """A copy of ``model`` at ``precision``; the original is never touched.
 
-    fp16 / bf16: every weight cast, so activations and the KV cache are 16-bit too.
+    fp16 / bf16: every weight cast, so activations and the KV cache are 16-bit too. Except bf16 on
+    the CPU: only the big matrix products run in bf16 (:func:`with_bf16_matmuls`), the rest in fp32.
     int8: torchao's ``quantize_`` on every ``nn.Linear`` (the tied embedding / output projection and
     the LayerNorms stay fp32). On the CPU: ``Int8DynamicActivationInt8WeightConfig`` (weights int8
     per channel, each activation row quantized at run time, int8 x int8 matmuls). On CUDA:
@@ -189,6 +192,8 @@ def cast_model(model: GPT, precision: str) -> GPT:
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose from {PRECISIONS}")
     converted = copy.deepcopy(model)
+    if precision == "bf16" and model.device.type == "cpu":
+        return with_bf16_matmuls(converted)
     if precision in TORCH_DTYPES:
         return converted.to(TORCH_DTYPES[precision]).eval()
     reason = torchao_missing_reason()
@@ -203,6 +208,119 @@ def cast_model(model: GPT, precision: str) -> GPT:
     config = Int8WeightOnlyConfig() if model.device.type == "cuda" else Int8DynamicActivationInt8WeightConfig()
     quantize_(converted, config)
     return converted.eval()
+
+
+NEVER = 2**62  # a row count no call reaches: bf16 never used
+
+
+class Bf16MatmulLinear(nn.Module):
+    """A linear layer whose large calls multiply in bf16 and whose small ones stay fp32.
+
+    Input and output are fp32. A call with at least ``min_rows`` rows (tokens) rounds its input to
+    bf16 and multiplies by a bf16 copy of the weights (the CPU's bf16 dot-product instructions,
+    accumulating in fp32); a smaller call uses the fp32 weights, because there the bf16 kernel's
+    fixed cost is larger than the arithmetic it saves. This is what CPU inference stacks do with
+    bf16 (autocast, oneDNN): matrix products in bf16, LayerNorm, softmax and the KV cache in fp32.
+    """
+
+    def __init__(self, linear: nn.Linear, min_rows: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.min_rows = linear.in_features, linear.out_features, min_rows
+        self.weight = nn.Parameter(linear.weight.detach().float(), requires_grad=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+        self.register_buffer("weight_bf16", self.weight.detach().to(torch.bfloat16))
+        self.register_buffer("bias_bf16", None if self.bias is None else self.bias.detach().to(torch.bfloat16))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.numel() >= self.min_rows * self.in_features:
+            return _bf16_linear(x, self.weight_bf16, self.bias_bf16)
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, bf16 from {self.min_rows} rows"
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX) and oneDNN will use it.
+
+    Without those instructions bf16 is emulated and slower than fp32, so it would not pay.
+    """
+    onednn_bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)  # private: absent in some builds
+    if not (torch.backends.mkldnn.is_available() and onednn_bf16 is not None and onednn_bf16()):
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def bf16_crossover_rows(
+    linear: nn.Linear, candidates: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), repeats: int = 30
+) -> tuple[int | None, dict[int, tuple[float, float]]]:
+    """Measure where bf16 starts to beat fp32 for this layer's shape: kernel autotuning by hand.
+
+    For each candidate row count, time the fp32 and the bf16 product (median of ``repeats``) and
+    pick with :func:`crossover_from_timings`. Returns the crossover and the timings in
+    microseconds, ``{rows: (fp32, bf16)}``, which the conversion report keeps.
+    """
+    weight = linear.weight.detach().float()
+    bias = None if linear.bias is None else linear.bias.detach().float()
+    weight16, bias16 = weight.to(torch.bfloat16), None if bias is None else bias.to(torch.bfloat16)
+    timings: dict[int, tuple[float, float]] = {}
+    with torch.no_grad():
+        for rows in candidates:
+            x = torch.randn(rows, linear.in_features)
+            fp32 = _median_us(partial(F.linear, x, weight, bias), repeats)
+            bf16 = _median_us(partial(_bf16_linear, x, weight16, bias16), repeats)
+            timings[rows] = (fp32, bf16)
+    return crossover_from_timings(timings), timings
+
+
+def crossover_from_timings(timings: dict[int, tuple[float, float]]) -> int | None:
+    """The smallest row count from which bf16 (second figure) is faster at every larger measured
+    count (past the largest, bf16 only gets better: more arithmetic for the same fixed cost);
+    None when bf16 loses even at the largest count (a CPU that emulates bf16)."""
+    crossover = None
+    for rows in sorted(timings, reverse=True):
+        fp32, bf16 = timings[rows]
+        if bf16 >= fp32:
+            break
+        crossover = rows
+    return crossover
+
+
+def _bf16_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return F.linear(x.to(torch.bfloat16), weight, bias).float()
+
+
+def _median_us(call, repeats: int) -> float:
+    call()  # the first call pays oneDNN's one-off setup for this shape
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        call()
+        samples.append((time.perf_counter() - started) * 1e6)
+    return sorted(samples)[len(samples) // 2]
+
+
+def with_bf16_matmuls(model: GPT, min_rows: int | None = None) -> GPT:
+    """``model`` (changed in place) with every transformer-block linear layer a :class:`Bf16MatmulLinear`.
+
+    ``min_rows=None`` measures the crossover on the widest layer (:func:`bf16_crossover_rows`) and
+    records it on the model as ``bf16_tuning``; where bf16 never won, every product stays fp32 (and
+    the notes say so). The embedding and the output projection tied to it stay fp32: the first is
+    a lookup, the second decides the argmax.
+    """
+    timings: dict[int, tuple[float, float]] = {}
+    if min_rows is None:
+        measured, timings = bf16_crossover_rows(model.h[0].mlp.c_fc)
+        min_rows = measured if measured is not None else NEVER
+    for block in model.h:
+        for parent, name in ((block.attn, "c_attn"), (block.attn, "c_proj"), (block.mlp, "c_fc"), (block.mlp, "c_proj")):
+            setattr(parent, name, Bf16MatmulLinear(getattr(parent, name), min_rows))
+    model.bf16_tuning = {"min_rows": min_rows, "timings_us": timings}
+    return model.eval()
 
 
 def _check_16bit_supported(precision: str, device: torch.device) -> None:
@@ -223,12 +341,23 @@ def build_eager(model: GPT, precision: str) -> TorchModuleEngine:
         "fp32": ["the plain PyTorch model (chapter 4's path)"],
         "int8": ["torchao quantize_: " + ("Int8WeightOnlyConfig" if model.device.type == "cuda" else "Int8DynamicActivationInt8WeightConfig")],
     }.get(precision, [f"weights cast to {precision}"])
+    tuning = getattr(converted, "bf16_tuning", None)
+    if tuning:
+        measured = ", ".join(f"{rows}: {fp32:.0f}/{bf16:.0f}" for rows, (fp32, bf16) in tuning["timings_us"].items())
+        start = f"from {tuning['min_rows']} rows" if tuning["min_rows"] < NEVER else "never (bf16 lost at every size measured)"
+        notes = [(f"bf16 matmuls {start}, fp32 below and everywhere else "
+                  f"(rows: fp32/bf16 microseconds on the widest layer: {measured})")]
     report = ConversionReport(seconds=time.perf_counter() - started, notes=notes)
-    return TorchModuleEngine("eager", precision, converted, model.config, model.device, _activation_dtype(precision), report)
+    return TorchModuleEngine("eager", precision, converted, model.config, model.device,
+                             _activation_dtype(precision, model.device), report)
 
 
-def _activation_dtype(precision: str) -> torch.dtype:
-    return TORCH_DTYPES.get(precision, torch.float32)  # int8 quantizes weights; activations stay fp32
+def _activation_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """The dtype of activations and of the KV cache: int8 quantizes weights only, and bf16 on the CPU
+    multiplies in bf16 but keeps everything else fp32 (:class:`Bf16MatmulLinear`)."""
+    if precision == "bf16" and device.type == "cpu":
+        return torch.float32
+    return TORCH_DTYPES.get(precision, torch.float32)
 
 
 def compile_mode(device: torch.device) -> str:
@@ -255,7 +384,8 @@ def build_compiled(model: GPT, precision: str, warmup_batch: int = 2) -> TorchMo
     graphs_before = _compiled_graphs()
     base = model if precision == "fp32" else cast_model(model, precision)
     compiled = torch.compile(base, dynamic=True, mode=compile_mode(model.device))
-    engine = TorchModuleEngine("compile", precision, compiled, model.config, model.device, _activation_dtype(precision),
+    engine = TorchModuleEngine("compile", precision, compiled, model.config, model.device,
+                               _activation_dtype(precision, model.device),
                                ConversionReport())
     for batch in sorted({1, warmup_batch}):
         for padded in (False, True):
@@ -351,7 +481,8 @@ def build_tensorrt(model: GPT, precision: str) -> TorchModuleEngine:
     base = model if precision == "fp32" else cast_model(model, precision)
     options = {"enabled_precisions": {TORCH_DTYPES[precision]}, "min_block_size": 1}
     compiled = torch.compile(base, backend="tensorrt", dynamic=True, options=options)
-    engine = TorchModuleEngine("tensorrt", precision, compiled, model.config, model.device, _activation_dtype(precision),
+    engine = TorchModuleEngine("tensorrt", precision, compiled, model.config, model.device,
+                               _activation_dtype(precision, model.device),
                                ConversionReport())
     for batch in (1, 2):
         for padded in (False, True):
@@ -666,32 +797,56 @@ def unavailable_reason(engine: str, precision: str, device: torch.device) -> str
     return None
 
 
-# What ``--engine auto`` picks: always fp32, because the service promises the oracle's exact tokens.
+# What ``--engine auto`` picks, from the measurements in the README (trade-off table and harness runs).
 # On the CPU, eager: under the harness's load (the server's own batches, 32-64 users) it served more
-# than ONNX Runtime did (benchmarks/reference/cpu/ch05.json vs ch05-onnxruntime.json); ONNX Runtime
-# won only at batch 1 in the trade-off table, and torch.compile pays its compilation at EVERY start.
-# On CUDA (not measured here): TensorRT where installed, else torch.compile with CUDA graphs.
+# than ONNX Runtime did (benchmarks/reference/cpu/ch05-onnxruntime.json); ONNX Runtime won only at
+# batch 1 in the trade-off table, and torch.compile pays its compilation at EVERY start and lost at
+# batch 32. On CUDA: TensorRT where installed, else eager. torch.compile with CUDA graphs is not
+# chosen: with a KV cache that grows every step, each new (batch, length) records a new graph.
 AUTO_PREFERENCE = {
     "cpu": ("eager",),
-    "cuda": ("tensorrt", "compile", "eager"),
+    "cuda": ("tensorrt", "eager"),
 }
 
 
-def auto_engine(device: torch.device) -> str:
-    """The first engine of ``AUTO_PREFERENCE`` that is available for fp32 on ``device``."""
+def auto_engine(device: torch.device, precision: str = "fp32") -> str:
+    """The first engine of ``AUTO_PREFERENCE`` that is available at ``precision`` on ``device``."""
     for engine in AUTO_PREFERENCE.get(device.type, ("eager",)):
-        if unavailable_reason(engine, "fp32", device) is None:
+        if unavailable_reason(engine, precision, device) is None:
             return engine
     return "eager"
 
 
-def build_engine(model: GPT, engine: str = "auto", precision: str = "fp32") -> Engine:
-    """The engine named ``engine`` (``auto``: :func:`auto_engine`) at ``precision`` for ``model``.
+def auto_precision(device: torch.device) -> str:
+    """The precision ``--precision auto`` picks: the fastest one that keeps the task accuracy within
+    ``ACCURACY_TOLERANCE`` of fp32 and beats fp32 by ``MIN_SPEEDUP`` (the trade-off tables measure
+    both, ``tradeoffs.fastest_within_tolerance`` applies the rule; the tests hold the accuracy).
 
-    Raises :class:`EngineUnavailable` (with the reason) when it cannot run here.
+    CPU: bf16 where the CPU multiplies in bf16 (AVX512-BF16 or AMX), else fp32 (fp16 has no
+    arithmetic on most CPUs and was the slowest row). int8 is not chosen: it lost to bf16 at batch 32.
+    CUDA: fp32. On the H200 the README reports, eager bf16 served 0.96x of fp32 and the tiny model's
+    table ranked fp16/bf16 at 1.03x/0.95x: a GPU fed by eager PyTorch waits on Python and kernel
+    launches, and fewer bits only pay once that overhead is gone (CUDA graphs, TensorRT).
     """
+    if device.type == "cuda":
+        return "fp32"
+    return "bf16" if cpu_has_native_bf16() else "fp32"
+
+
+ACCURACY_TOLERANCE = 0.02  # task accuracy a reduced precision may lose against fp32 (the issue's 2 points)
+# A faster row must beat fp32 eager by more than run-to-run noise (10 % here) before it is worth
+# giving up the oracle's exact tokens.
+MIN_SPEEDUP = 1.10
+
+
+def build_engine(model: GPT, engine: str = "auto", precision: str = "auto") -> Engine:
+    """The engine named ``engine`` at ``precision`` for ``model`` (``auto``: :func:`auto_engine`,
+    :func:`auto_precision`). Raises :class:`EngineUnavailable` (with the reason) when it cannot run here.
+    """
+    if precision == "auto":
+        precision = auto_precision(model.device)
     if engine == "auto":
-        engine = auto_engine(model.device)
+        engine = auto_engine(model.device, precision)
     reason = unavailable_reason(engine, precision, model.device)
     if reason:
         raise EngineUnavailable(f"{engine}/{precision}: {reason}")

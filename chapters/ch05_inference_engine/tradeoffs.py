@@ -36,7 +36,9 @@ from benchmarks.workload import DEFAULT_SEED, PromptStream, get_workload
 from chapters.ch03_dynamic_batching.batched_generation import generate_batch, left_pad
 from chapters.ch04_memory_pool.memory_pool import KVMemoryPool
 from chapters.ch05_inference_engine.engines import (
+    ACCURACY_TOLERANCE,
     ENGINES,
+    MIN_SPEEDUP,
     PRECISIONS,
     PROJECT_ROOT,
     Engine,
@@ -163,7 +165,7 @@ def measure(
     row = Row(engine.name, engine.precision, True)
     prompts = agreement_prompts()
     pool = PoolForEngine(engine, tokens=max(args.batch, len(prompts)) * engine.config.n_ctx)
-    row.accuracy = evaluate(lambda ids: engine(ids)).accuracy
+    row.accuracy = evaluate(lambda ids: engine(ids), device=engine.device).accuracy
     tokens = pool.generate(engine, prompts, NEW_TOKENS)
     reference = baseline.tokens if baseline else tokens
     same = sum(a == b for t, r in zip(tokens, reference) for a, b in zip(t, r))
@@ -251,7 +253,12 @@ def run(args: argparse.Namespace) -> dict:
         except Exception as exc:  # noqa: BLE001 (a conversion that fails here is a finding, not a crash of the table)
             rows.append(Row(engine_name, precision, False, f"failed to build: {type(exc).__name__}: {str(exc)[:300]}"))
             continue
-        row, new_baseline = measure(engine, baseline, oracle, args)
+        try:
+            row, new_baseline = measure(engine, baseline, oracle, args)
+        except Exception as exc:  # noqa: BLE001 (same: one engine failing to run is a row, not a lost table)
+            rows.append(Row(engine_name, precision, False, f"failed to run: {type(exc).__name__}: {str(exc)[:300]}"))
+            print(f"[ch05] {label}: failed: {exc}", file=sys.stderr, flush=True)
+            continue
         baseline = baseline or new_baseline
         rows.append(row)
         print(f"[ch05] {label}: done", file=sys.stderr, flush=True)
@@ -297,6 +304,11 @@ def markdown_table(result: dict) -> str:
             f"| {r['rows_identical']} | {exact} | {r['max_logit_diff']:.2e} | {r['latency_b1_ms']:.1f} | {speedup} "
             f"| {r['throughput_tok_s']:.0f} | {gain} | {conversion} | {_fmt(r['artifact_mb'], '.1f')} |"
         )
+    best = fastest_within_tolerance(rows)
+    if best:
+        lines += ["", (f"The auto rule's choice at batch {result['config']['batch']}: **{best['engine']}/{best['precision']}** "
+                       f"(within {100 * ACCURACY_TOLERANCE:.0f} points of fp32's task accuracy; a reduced precision must beat "
+                       f"fp32 eager, and another engine eager, by {MIN_SPEEDUP:.2f}x).")]
     lines += ["", "Conversion notes:"]
     lines += [f"- {r['engine']}/{r['precision']}: " + "; ".join(r["notes"]) for r in rows if r["available"] and r["notes"]]
     env = result["environment"]
@@ -304,6 +316,33 @@ def markdown_table(result: dict) -> str:
               f"load average at start {env['load_average_at_start']}, device {env['device']}; "
               f"packages {json.dumps(env['packages'])}; git {str(env['git_commit'])[:10]} dirty={env['git_dirty']}.")]
     return "\n".join(lines)
+
+
+def fastest_within_tolerance(rows: list[dict]) -> dict | None:
+    """The rule ``--engine auto --precision auto`` follows, applied to a table's throughput column.
+
+    Eligible: rows whose task accuracy is within ``ACCURACY_TOLERANCE`` of fp32 eager's. First the
+    precision: the fastest eligible eager row, if it beats fp32 eager by ``MIN_SPEEDUP`` (else fp32
+    eager, exact). Then the engine: the fastest eligible row of another engine replaces that only
+    if it beats it by ``MIN_SPEEDUP`` too, because another engine costs a conversion (an export, or
+    a compilation at every start) and a second runtime to trust. None without an fp32 eager row.
+    """
+    def eligible(r: dict) -> bool:
+        return r["available"] and r["accuracy"] >= base["accuracy"] - ACCURACY_TOLERANCE
+
+    def fastest(candidates: list[dict]) -> dict | None:
+        return max(candidates, key=lambda r: r["throughput_tok_s"], default=None)
+
+    def pays_over(candidate: dict | None, current: dict) -> bool:
+        return candidate is not None and candidate["throughput_tok_s"] >= MIN_SPEEDUP * current["throughput_tok_s"]
+
+    base = next((r for r in rows if r["engine"] == "eager" and r["precision"] == "fp32" and r["available"]), None)
+    if base is None:
+        return None
+    eager = fastest([r for r in rows if r["engine"] == "eager" and eligible(r)])
+    choice = eager if pays_over(eager, base) else base
+    other = fastest([r for r in rows if r["engine"] != "eager" and eligible(r)])
+    return other if pays_over(other, choice) else choice
 
 
 def save(result: dict, directory: Path) -> Path:

@@ -9,6 +9,13 @@ In chapter 3's batcher a queue of ``min_batch`` already leaves at once, so "the 
 the only case in which the window is ever waited; what tells load from quiet is the arrival rate.
 The rule here: wait the tuned window only if at least one more request is expected within it
 (rate x window >= 1); otherwise wait ``min_window_s`` (about 1 ms, to catch a burst arriving together).
+
+The rate must see bursts. Under a closed loop the users of a finished batch come back together,
+after a silence as long as the batch took; a slowly moving average of the gaps still remembers the
+silence when the burst arrives, so it would send the burst's first request or two alone and make the
+rest wait a whole batch behind them. On a GPU, where a batch of 2 costs nearly what a batch of 64
+does, that halved throughput at 16 and 64 users (benchmarks/reference/gpu). So the rate also looks
+at the latest gap: a request that came right after another says company is arriving now.
 """
 
 from __future__ import annotations
@@ -17,30 +24,34 @@ from chapters.ch03_dynamic_batching.batcher import DisconnectCheck, DynamicBatch
 
 
 class ArrivalRate:
-    """An exponentially weighted mean of the gaps between arrivals, in seconds."""
+    """The gaps between arrivals, in seconds: an exponentially weighted mean, and the latest one."""
 
     def __init__(self, smoothing: float = 0.2) -> None:
         if not 0 < smoothing <= 1:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
         self.smoothing = smoothing
         self.mean_gap_s: float | None = None
+        self.last_gap_s: float | None = None
         self.last_arrival: float | None = None
 
     def observe(self, now: float) -> None:
         if self.last_arrival is not None:
             gap = max(0.0, now - self.last_arrival)
             self.mean_gap_s = gap if self.mean_gap_s is None else self.mean_gap_s + self.smoothing * (gap - self.mean_gap_s)
+            self.last_gap_s = gap
         self.last_arrival = now
 
     def expected_within(self, window_s: float, now: float) -> float:
         """Arrivals expected in the next ``window_s`` seconds; 0 until two arrivals were seen.
 
-        A silence longer than the mean gap is evidence too: the rate cannot be higher than one
-        arrival per silence, so a burst long past does not keep the window wide.
+        The gap used is the shorter of the mean and the latest one (a burst shows in the latest gap
+        before the mean catches up), but never shorter than the silence since the last arrival:
+        the rate cannot be higher than one arrival per silence, so a burst long past does not keep
+        the window wide.
         """
-        if self.mean_gap_s is None or self.last_arrival is None:
+        if self.mean_gap_s is None or self.last_gap_s is None or self.last_arrival is None:
             return 0.0
-        gap = max(self.mean_gap_s, now - self.last_arrival, 1e-9)
+        gap = max(min(self.mean_gap_s, self.last_gap_s), now - self.last_arrival, 1e-9)
         return window_s / gap
 
 
