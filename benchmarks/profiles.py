@@ -43,7 +43,6 @@ class Profile:
     request_timeout_s: float = 120.0
     extra_env: tuple[tuple[str, str], ...] = ()  # more settings for every server, as SFS_* variables
 
-
     def thread_env(self) -> dict[str, str]:
         """Thread variables for the server: native libraries must not spread beyond the budget either."""
         n = str(self.torch_threads)

@@ -5,7 +5,8 @@ time in the inference thread, a KV cache inside the pre-allocated pool. What cha
 computes each prefill and decode step: an :class:`~chapters.ch05_inference_engine.engines.Engine`
 chosen by ``--engine`` and ``--precision`` instead of the eager PyTorch model. The engine has the
 model's call signature, so chapter 3's batched generation drives it without knowing; the pool is
-allocated in the engine's dtype (16-bit keys and values for fp16/bf16 take half the bytes).
+allocated in the engine's dtype (16-bit keys and values, for fp16 and for bf16 on a GPU, take half the
+bytes; bf16 on a CPU keeps them in fp32).
 
 ``--precision auto`` takes the fastest precision that keeps the task accuracy within 2 points of
 fp32 on this kind of device (bf16 where the hardware multiplies in bf16; the README's trade-off
