@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import platform
+from pathlib import Path
 
 import psutil
 import torch
@@ -40,3 +42,15 @@ def synchronize(device: torch.device) -> None:
     """Wait for queued GPU work, so a timing measures the computation and not its launch."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def processor_name(device: torch.device) -> str:
+    """The GPU's name on CUDA; on the CPU the model name the kernel reports (``/proc/cpuinfo``)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()

@@ -1,8 +1,12 @@
 """A GPT-2-architecture decoder: pre-LayerNorm blocks, causal SDPA attention, tanh-GELU MLP, tied embeddings.
 
 The model never owns its KV cache. Each forward pass may be handed an object that follows the
-:class:`KVCache` protocol (``seq_len``, ``update``, ``advance``), so a chapter can swap the cache
-(growing tensors, a pre-allocated pool, a static buffer for compilation) without touching this file.
+:class:`KVCache` protocol (``seq_len``, ``update``, ``read``, ``advance``), so a chapter can swap the
+cache (growing tensors, a pre-allocated pool, paged blocks) without touching this file.
+
+Generation calls the model through two explicit steps, the same two every inference engine offers
+(:class:`StepModel`): :meth:`GPT.prefill` (the prompt, nothing cached yet) and :meth:`GPT.decode`
+(one more token per row, everything before it cached). Both return the last position's logits only.
 
 Left padding is supported for batched decoding: pass ``attention_mask`` (1 for real tokens, 0 for
 padding, covering cached and new positions) and ``position_ids`` that count real tokens only.
@@ -66,9 +70,35 @@ class KVCache(Protocol):
         return every stored key and value of that layer, shape (B, H, seq_len + T, D)."""
         ...
 
+    def read(self, layer: int) -> tuple[Tensor, Tensor]:
+        """Every stored key and value of ``layer``, shape (B, H, seq_len, D), without storing anything."""
+        ...
+
     def advance(self, n_tokens: int) -> None:
         """Called once per forward pass, after all layers stored their ``n_tokens`` new positions."""
         ...
+
+
+class StepModel(Protocol):
+    """What generation drives: the model itself, or any inference engine built from it (chapter 5).
+
+    ``prefill`` and ``decode`` return float32 logits of each row's LAST position, shape (B, V).
+    ``dtype`` is the dtype of the keys and values the model stores: a cache for it must use it.
+    """
+
+    config: ModelConfig
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def prefill(self, input_ids: Tensor, position_ids: Tensor | None, attention_mask: Tensor | None,
+                cache: KVCache | None) -> Tensor: ...
+
+    def decode(self, input_ids: Tensor, position_ids: Tensor | None, attention_mask: Tensor | None,
+               cache: KVCache) -> Tensor: ...
 
 
 class DynamicKVCache:
@@ -94,6 +124,11 @@ class DynamicKVCache:
             value = torch.cat([past_v, value], dim=2)
         self._keys[layer], self._values[layer] = key, value
         return key, value
+
+    def read(self, layer: int) -> tuple[Tensor, Tensor]:
+        if self._keys[layer] is None:
+            raise ValueError(f"layer {layer} has nothing cached yet")
+        return self._keys[layer], self._values[layer]
 
     def advance(self, n_tokens: int) -> None:
         self._seq_len += n_tokens
@@ -204,6 +239,27 @@ class GPT(nn.Module):
         if last_token_only:
             x = x[:, -1:, :]
         return F.linear(self.ln_f(x), self.wte.weight)  # tied input and output embeddings
+
+    @torch.no_grad()
+    def prefill(self, input_ids: Tensor, position_ids: Tensor | None, attention_mask: Tensor | None,
+                cache: KVCache | None) -> Tensor:
+        """Logits (B, V) after the prompt ``input_ids``; its keys and values go into ``cache`` (if any)."""
+        if cache is not None and cache.seq_len != 0:
+            raise ValueError(f"prefill needs an empty cache; this one holds {cache.seq_len} positions")
+        return self._last_logits(input_ids, position_ids, attention_mask, cache)
+
+    @torch.no_grad()
+    def decode(self, input_ids: Tensor, position_ids: Tensor | None, attention_mask: Tensor | None,
+               cache: KVCache) -> Tensor:
+        """Logits (B, V) after the new tokens ``input_ids`` (usually one per row); ``cache`` holds the rest."""
+        if cache.seq_len == 0:
+            raise ValueError("decode needs a cache that holds the prompt: call prefill first")
+        return self._last_logits(input_ids, position_ids, attention_mask, cache)
+
+    def _last_logits(self, input_ids: Tensor, position_ids: Tensor | None, attention_mask: Tensor | None,
+                     cache: KVCache | None) -> Tensor:
+        logits = self(input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=cache, last_token_only=True)
+        return logits[:, -1, :].float()
 
     @property
     def device(self) -> torch.device:

@@ -157,6 +157,30 @@ def test_a_client_gone_before_its_batch_starts_is_not_computed() -> None:
     run(scenario)
 
 
+def test_a_request_cancelled_while_its_client_is_checked_is_skipped_and_the_batcher_goes_on() -> None:
+    """A deadline may cancel a request during the disconnect check's await: it must not stop the batcher."""
+
+    async def scenario() -> None:
+        batcher, model, _clock = await make(min_batch=1, max_batch=8)
+        doomed: list[asyncio.Future] = []
+
+        async def cancelled_meanwhile() -> bool:
+            doomed[0].cancel()  # what a deadline does to the awaiting handler, at the worst moment
+            return True  # ... and the client is gone too: the batcher must not fail the future twice
+
+        async def connected() -> bool:
+            return False
+
+        doomed.append(batcher.enqueue("late", cancelled_meanwhile))
+        kept = batcher.enqueue("kept", connected)
+        assert await kept == "out:kept"
+        assert model.batches == [["kept"]]
+        assert await batcher.submit("next") == "out:next"  # the collector is still alive
+        await batcher.close()
+
+    run(scenario)
+
+
 def test_a_cancelled_request_leaves_the_queue_and_is_not_computed() -> None:
     async def scenario() -> None:
         batcher, model, clock = await make(min_batch=2, max_batch=8)

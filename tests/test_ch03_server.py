@@ -100,3 +100,51 @@ def test_sigterm_finishes_the_queued_requests_and_exits_cleanly() -> None:
     assert statuses == [200] * n_requests
     # uvicorn finishes its graceful shutdown, then re-raises SIGTERM: "terminated by SIGTERM" is clean.
     assert exit_code in (0, -signal.SIGTERM), server.log_tail()
+
+
+def test_the_real_server_computes_concurrent_mixed_length_requests_in_one_batch(oracle) -> None:
+    """A recorder on the model itself: eight requests at once reach it as rows of the same forward passes."""
+    settings = BatchingSettings(weights="default", device="cpu", min_batch=8, max_batch=8, window_ms=10_000)
+    app = build_app(settings)
+    model = app.state.backend.batcher._run_batch.model
+    rows_per_decode: list[int] = []
+    hook = model.register_forward_hook(lambda _m, args, _out: rows_per_decode.append(args[0].shape[0]) if args[0].shape[1] == 1 else None)
+    prompts = [list(range(3, 3 + length)) for length in (2, 5, 9, 4, 12, 7, 3, 6)]
+    try:
+        with TestClient(app) as client, ThreadPoolExecutor(len(prompts)) as pool:
+            responses = list(pool.map(
+                lambda p: client.post("/v1/inference", json={"input_ids": p, "max_new_tokens": 5}), prompts
+            ))
+    finally:
+        hook.remove()
+    assert [r.json()["output_ids"] for r in responses] == [oracle(p, 5) for p in prompts]
+    assert rows_per_decode == [8] * 4  # one batch: every decode step computed all eight rows together
+
+
+def test_a_client_gone_while_queued_is_never_computed() -> None:
+    """The backend hands the batcher its client's disconnect check: a request whose client left is dropped (499)."""
+    import asyncio
+
+    from shared.schemas import ApiError
+
+    runner = BreakingRunner()
+    settings = BatchingSettings(weights="dummy", device="cpu", min_batch=1, max_batch=1, window_ms=0)
+    backend = build_app(settings, run_batch=runner).state.backend
+
+    async def gone() -> bool:
+        return True
+
+    async def scenario() -> None:
+        await backend.start()
+        try:
+            try:
+                await backend.generate(ValidRequest([7, 1], 2), gone)
+            except ApiError as error:
+                assert error.status == 499
+            else:
+                raise AssertionError("a request whose client left was answered")
+            assert runner.batches == []  # never computed
+        finally:
+            await backend.close()
+
+    asyncio.run(scenario())

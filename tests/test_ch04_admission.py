@@ -1,19 +1,15 @@
-"""Chapter 4's admission control, as a unit: queue, reject with Retry-After, offload under sustained pressure.
+"""Chapter 4's admission control, as a unit: queue while there is room, 429 with Retry-After, offload under sustained pressure.
 
-A hand-driven clock replaces time, so "pressure for N seconds" is a number we set, never a sleep.
+The controller reads the queue's length and the pool's use through two callables; the test sets
+them, and a hand-driven clock replaces time, so "pressure for N seconds" is a number we set, never a sleep.
 """
 
 from __future__ import annotations
 
-import asyncio
 
 import pytest
 
-from chapters.ch04_memory_pool.admission import (
-    AdmissionConfig,
-    AdmissionController,
-    Route,
-)
+from chapters.ch04_memory_pool.admission import AdmissionConfig, AdmissionController, Route
 from shared.schemas import ApiError
 
 
@@ -24,116 +20,73 @@ class HandClock:
     def now(self) -> float:
         return self.t
 
-    async def wait(self, event: asyncio.Event, timeout: float | None) -> None:  # the Clock protocol; unused here
+    async def wait(self, event, timeout: float | None) -> None:  # the Clock protocol; unused here
         await event.wait()
 
 
-def controller(capacity: int = 4, **overrides) -> tuple[AdmissionController, HandClock]:
-    clock = HandClock()
-    config = AdmissionConfig(capacity_blocks=capacity, **{"max_waiting": 2, "fallback_slots": 0, **overrides})
-    return AdmissionController(config, clock), clock
+class World:
+    """What the controller reads: the queue's length and the pool's used share."""
+
+    def __init__(self) -> None:
+        self.waiting = 0
+        self.pool_use = 0.0
 
 
-async def _settle() -> None:
-    """Let every task that is ready run until it blocks again (no timed waiting)."""
-    for _ in range(5):
-        await asyncio.sleep(0)
+def controller(**overrides) -> tuple[AdmissionController, World, HandClock]:
+    clock, world = HandClock(), World()
+    config = AdmissionConfig(**{"max_waiting": 2, "fallback_slots": 0, **overrides})
+    return AdmissionController(config, lambda: world.waiting, lambda: world.pool_use, clock), world, clock
 
 
-def test_requests_wait_in_order_then_get_429_with_retry_after() -> None:
-    async def scenario() -> None:
-        admission, clock = controller(capacity=4, max_waiting=2)
-        first, second = await admission.admit(2), await admission.admit(2)
-        assert admission.pool_use == 1.0
-        waiting = [asyncio.create_task(admission.admit(2)) for _ in range(2)]
-        await _settle()
-        assert admission.stats()["waiting"] == 2 and not any(t.done() for t in waiting)
-        with pytest.raises(ApiError) as rejected:
-            await admission.admit(2)
-        assert rejected.value.status == 429
-        assert int(rejected.value.headers["Retry-After"]) >= 1
-        # A finished request lets exactly the oldest waiter in.
-        clock.t += 3.0
-        admission.release(first)
-        await _settle()
-        assert waiting[0].done() and not waiting[1].done()
-        assert (await waiting[0]).route is Route.POOL
-        admission.release(second)
-        await _settle()
-        assert waiting[1].done()
-        for task in waiting:
-            admission.release(task.result())
-        stats = admission.stats()
-        assert stats["reserved_blocks"] == 0 and stats["admitted"] == 0 and stats["rejected_total"] == 1
-
-    asyncio.run(scenario())
+def test_requests_queue_while_there_is_room_then_get_429_with_retry_after() -> None:
+    admission, world, clock = controller(max_waiting=2)
+    assert admission.admit() is Route.BATCH
+    world.waiting = 1
+    assert admission.admit() is Route.BATCH
+    world.waiting = 2  # the queue is full
+    with pytest.raises(ApiError) as rejected:
+        admission.admit()
+    assert rejected.value.status == 429 and rejected.value.type == "overloaded"
+    assert int(rejected.value.headers["Retry-After"]) >= 1
+    stats = admission.stats()
+    assert (stats["admitted_total"], stats["rejected_total"], stats["in_flight"]) == (2, 1, 2)
+    admission.finished(0.5)
+    admission.finished(0.5)
+    assert admission.stats()["in_flight"] == 0
 
 
-def test_retry_after_follows_the_recent_hold_time() -> None:
-    async def scenario() -> None:
-        admission, clock = controller(capacity=2, max_waiting=0)
-        ticket = await admission.admit(2)
-        clock.t += 7.5
-        admission.release(ticket)
-        ticket = await admission.admit(2)
-        # One admitted request, nobody waiting: a slot frees after about one hold time.
-        assert admission.retry_after_s() == 8
-        with pytest.raises(ApiError) as rejected:
-            await admission.admit(2)
-        assert rejected.value.headers["Retry-After"] == "8"
-        admission.release(ticket)
-
-    asyncio.run(scenario())
+def test_retry_after_follows_the_recent_time_in_the_server() -> None:
+    admission, world, _clock = controller(max_waiting=4)
+    assert admission.retry_after_s() == 1  # nothing finished yet: no estimate, the minimum
+    for _ in range(2):
+        admission.admit()
+    admission.finished(6.0)  # one request spent 6 s in the server; one is still in flight
+    world.waiting = 3
+    # 6 s x (3 waiting + 1) / 1 in flight = 24 s
+    assert admission.retry_after_s() == 24
 
 
 def test_sustained_pressure_sends_what_the_full_queue_would_refuse_to_the_fallback() -> None:
-    async def scenario() -> None:
-        admission, clock = controller(capacity=10, max_waiting=1, pressure_threshold=0.9, pressure_duration_s=4.0, fallback_slots=1)
-        held = await admission.admit(9)  # 90 %: pressure starts now
-        queued = asyncio.create_task(admission.admit(2))  # doesn't fit: waits, pressure or not
-        await _settle()
-        assert not queued.done()
-        clock.t += 3.9
-        with pytest.raises(ApiError):  # queue full, pressure not long enough yet: refused
-            await admission.admit(2)
-        clock.t += 0.1
-        assert admission.under_pressure()
-        offloaded = await admission.admit(2)  # queue full, sustained pressure: the slow path
-        assert offloaded.route is Route.FALLBACK and offloaded.blocks == 0
-        with pytest.raises(ApiError) as refused:  # the one fallback slot is taken: refused again
-            await admission.admit(2)
-        assert refused.value.status == 429
-        assert admission.stats()["fallback_in_flight"] == 1
-        admission.release(offloaded)
-        admission.release(offloaded)  # idempotent
-        admission.release(held)  # pressure ends; the waiter fits
-        await _settle()
-        assert not admission.under_pressure() and admission.stats()["fallback_served_total"] == 1
-        admission.release(await queued)
-        assert admission.stats()["reserved_blocks"] == 0 and admission.stats()["rejected_total"] == 2
-
-    asyncio.run(scenario())
+    admission, world, clock = controller(max_waiting=1, fallback_slots=1, pressure_threshold=0.9, pressure_duration_s=5.0)
+    world.pool_use, world.waiting = 0.95, 1
+    with pytest.raises(ApiError):  # pressure starts now: not sustained yet
+        admission.admit()
+    clock.t += 5.0
+    assert admission.admit() is Route.FALLBACK  # five seconds above the threshold: offload
+    with pytest.raises(ApiError):  # the only fallback slot is taken
+        admission.admit()
+    admission.fallback_done()
+    assert admission.admit() is Route.FALLBACK
+    admission.fallback_done()
+    world.pool_use = 0.5  # pressure is over: refusing again
+    with pytest.raises(ApiError):
+        admission.admit()
+    assert not admission.under_pressure()
+    assert admission.stats()["fallback_served_total"] == 2
 
 
-def test_a_cancelled_waiter_leaves_the_queue_and_holds_nothing() -> None:
-    async def scenario() -> None:
-        admission, _clock = controller(capacity=2, max_waiting=2)
-        held = await admission.admit(2)
-        gone = asyncio.create_task(admission.admit(2))
-        stays = asyncio.create_task(admission.admit(2))
-        await _settle()
-        gone.cancel()
-        await _settle()
-        assert admission.stats()["waiting"] == 1
-        admission.release(held)
-        await _settle()
-        admission.release(await stays)
-        assert admission.stats()["reserved_blocks"] == 0 and admission.stats()["admitted"] == 0
-
-    asyncio.run(scenario())
-
-
-def test_a_reservation_larger_than_the_pool_is_a_configuration_error() -> None:
-    admission, _clock = controller(capacity=4)
+def test_a_bad_configuration_is_refused() -> None:
     with pytest.raises(ValueError):
-        asyncio.run(admission.admit(5))
+        AdmissionConfig(max_waiting=0)
+    with pytest.raises(ValueError):
+        AdmissionConfig(pressure_threshold=0.0)

@@ -3,10 +3,11 @@
 Every engine x precision is a parameter; one that cannot run on this machine is skipped with the
 reason the engine module gives (TensorRT without a GPU, ONNX Runtime at 16 bits on a CPU ...).
 Engines are built once per session (ONNX graphs come from ``.cache/engines/`` after the first run);
-``compile`` takes minutes of Inductor compilation on a small CPU, so its tests are marked slow.
+``compile`` takes a while of Inductor compilation on a small CPU: its fp32 exactness runs in the
+default suite, its other tests are marked slow.
 
 The tolerances come from the trade-off run committed in ``benchmarks/reference/ch05-tradeoffs/``
-(see the README), with a margin; the measured values are quoted beside each constant.
+(see the README), with a margin.
 """
 
 from __future__ import annotations
@@ -14,38 +15,29 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import chapter_flags
 import pytest
 import torch
 
 from chapters.ch03_dynamic_batching.batched_generation import generate_batch
 from chapters.ch04_memory_pool.memory_pool import BatchCacheLease, KVMemoryPool
-from chapters.ch05_inference_engine import engines as engines_module
-from chapters.ch05_inference_engine import tradeoffs
-from chapters.ch05_inference_engine.engines import (
-    ENGINES,
-    PRECISIONS,
-    Bf16MatmulLinear,
-    Engine,
-    EngineUnavailable,
-    build_engine,
-    crossover_from_timings,
-    unavailable_reason,
-)
+from benchmarks import tradeoffs
+from chapters.ch05_inference_engine.bf16_matmul import Bf16MatmulLinear, crossover_from_timings
+from chapters.ch05_inference_engine.engine import ENGINES, PRECISIONS, Engine, EngineUnavailable
+from chapters.ch05_inference_engine.engines import build_engine, pick, unavailable_reason
+from chapters.ch05_inference_engine.onnx_engine import build_onnxruntime
 from shared.corpus import evaluate
 from shared.model import DynamicKVCache
 from shared.tokenizer import PAD_ID
 from shared.weights import LoadedModel
 
-# Task accuracy may drop this much below fp32 eager's (the issue's "within 2 points"). Measured in
-# benchmarks/reference/ch05-tradeoffs/latest.json: fp32 99.9 %; the largest drop is ONNX Runtime
-# int8 at 99.3 % (0.6 points); torchao int8 99.6 %, bf16 99.8 %, fp16 99.9 %.
+# Task accuracy may drop this much below fp32 eager's (the issue's "within 2 points"); the measured
+# drops are in benchmarks/reference/ch05-tradeoffs/latest.json and the chapter's README.
 MAX_ACCURACY_DROP = 0.02
-# Greedy tokens equal to fp32 eager's, position by position, over tradeoffs.agreement_prompts()
-# (16 prompts x 32 tokens). Measured: compile bf16 69.1 %, ONNX Runtime int8 77.9 %, eager bf16
-# 78.9 %, torchao int8 89.1 %, fp16 96.3 % to 99.8 %. Free text has near-ties, so one flipped token changes the rest of its row;
-# the bound leaves room for other thread counts (the run used 1 thread) and catches a broken engine
-# (garbage agrees on a few percent).
-MIN_TOKEN_AGREEMENT = 0.6
+# Greedy tokens equal to fp32 eager's, position by position, over tradeoffs.agreement_prompts().
+# Free text has near-ties, so one flipped token changes the rest of its row; the bound sits below
+# the lowest agreement the trade-off table measured (README) and far above garbage's few percent.
+MIN_TOKEN_AGREEMENT = chapter_flags.MIN_TOKEN_AGREEMENT
 # Minutes of compilation / engine building. TensorRT is only slow where it can run; elsewhere its
 # tests skip at once with the reason, so they stay in the default suite.
 SLOW_ENGINES = {"compile"} | ({"tensorrt"} if unavailable_reason("tensorrt", "fp32", torch.device("cuda")) is None else set())
@@ -55,7 +47,9 @@ COMBOS = [
     for e in ENGINES
     for p in PRECISIONS
 ]
-FP32 = [pytest.param(*c.values, marks=c.marks, id=c.id) for c in COMBOS if c.values[1] == "fp32"]
+# The compile engine's fp32 exactness stays in the default suite (its one compilation is shared by
+# the session's engine cache); its other tests are slow.
+FP32 = [pytest.param(*c.values, marks=[] if c.values[0] == "compile" else c.marks, id=c.id) for c in COMBOS if c.values[1] == "fp32"]
 REDUCED = [pytest.param(*c.values, marks=c.marks, id=c.id) for c in COMBOS if c.values[1] != "fp32"]
 
 
@@ -109,15 +103,15 @@ def generate_in_pool(engine: Engine, prompts: list[list[int]], new_tokens: list[
 
 
 @pytest.mark.parametrize(("name", "precision"), COMBOS)
-def test_every_engine_speaks_the_models_signature(engine_for, name: str, precision: str) -> None:
+def test_every_engine_speaks_the_models_two_steps(engine_for, name: str, precision: str) -> None:
     engine = engine_for(name, precision)
     ids = torch.tensor([list(b"12+34="), list(b"56+78=")])
     cache = DynamicKVCache(engine.config.n_layer)
-    logits = engine(ids, cache=cache, last_token_only=True)
-    assert logits.shape == (2, 1, engine.config.vocab_size) and logits.dtype == torch.float32
+    logits = engine.prefill(ids, None, None, cache)
+    assert logits.shape == (2, engine.config.vocab_size) and logits.dtype == torch.float32
     assert cache.seq_len == 6
-    step = engine(logits[:, -1].argmax(-1, keepdim=True), cache=cache)
-    assert step.shape == (2, 1, engine.config.vocab_size) and cache.seq_len == 7
+    step = engine.decode(logits.argmax(-1, keepdim=True), None, None, cache)
+    assert step.shape == (2, engine.config.vocab_size) and cache.seq_len == 7
     assert engine.describe()["engine"] == name
 
 
@@ -153,7 +147,7 @@ def test_fp32_engine_returns_the_oracles_tokens(engine_for, oracle, name: str, p
 @pytest.mark.parametrize(("name", "precision"), FP32)
 def test_fp32_engine_keeps_the_task_accuracy(engine_for, fp32_accuracy: float, name: str, precision: str) -> None:
     engine = engine_for(name, precision)
-    assert evaluate(lambda ids: engine(ids)).accuracy == pytest.approx(fp32_accuracy, abs=1e-9)
+    assert evaluate(lambda ids: engine.prefill(ids, None, None, None)[:, None, :]).accuracy == pytest.approx(fp32_accuracy, abs=1e-9)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,7 +158,7 @@ def test_fp32_engine_keeps_the_task_accuracy(engine_for, fp32_accuracy: float, n
 @pytest.mark.parametrize(("name", "precision"), REDUCED)
 def test_reduced_precision_accuracy_within_tolerance(engine_for, fp32_accuracy: float, name: str, precision: str) -> None:
     engine = engine_for(name, precision)
-    accuracy = evaluate(lambda ids: engine(ids)).accuracy
+    accuracy = evaluate(lambda ids: engine.prefill(ids, None, None, None)[:, None, :]).accuracy
     assert accuracy >= fp32_accuracy - MAX_ACCURACY_DROP, f"{name}/{precision}: {accuracy:.3f} vs fp32 {fp32_accuracy:.3f}"
 
 
@@ -185,7 +179,7 @@ def test_reduced_precision_tokens_mostly_agree(engine_for, default_model: Loaded
 
 def test_onnx_artifacts_are_cached_and_their_cost_recorded(engine_for, default_model: LoadedModel) -> None:
     engine_for("onnxruntime", "fp32")  # built (or skipped) once for the session
-    again = engines_module.build_onnxruntime(default_model.model, "fp32")
+    again = build_onnxruntime(default_model.model, "fp32")
     report = again.conversion
     assert report.from_cache and report.artifact_bytes and report.artifact_bytes > 0
     assert all(path.endswith(".onnx") for path in report.artifact_paths)
@@ -198,16 +192,15 @@ def test_int8_onnx_is_smaller_than_fp32(engine_for) -> None:
 
 
 def test_onnx_engine_reads_the_pool_without_changing_it(engine_for) -> None:
-    """Reading the past (a zero-length ``update``) stores nothing: the prompt's keys stay as they were."""
+    """Decoding reads the past through ``cache.read`` and stores only the new position."""
     engine = engine_for("onnxruntime", "fp32")
     pool = KVMemoryPool(engine.config, 512, device=engine.device, dtype=engine.dtype)
     with pool.new_cache(2, 16) as cache:
-        logits = engine(torch.tensor([list(b"ab+cd="), list(b"12+34=")]), cache=cache)
-        nothing = torch.empty(2, engine.config.n_head, 0, engine.config.head_dim)
-        prompt_keys = cache.update(0, nothing, nothing)[0].clone()
+        logits = engine.prefill(torch.tensor([list(b"ab+cd="), list(b"12+34=")]), None, None, cache)
+        prompt_keys = cache.read(0)[0].clone()
         assert cache.seq_len == 6 and prompt_keys.shape[2] == 6
-        engine(logits[:, -1].argmax(-1, keepdim=True), cache=cache)
-        keys_after = cache.update(0, nothing, nothing)[0]
+        engine.decode(logits.argmax(-1, keepdim=True), None, None, cache)
+        keys_after = cache.read(0)[0]
         assert cache.seq_len == 7 and torch.equal(keys_after[:, :, :6], prompt_keys)
 
 
@@ -270,23 +263,41 @@ def test_bf16_engine_on_the_cpu_keeps_activations_and_cache_fp32(engine_for) -> 
     assert engine.dtype == torch.float32
     linears = [m for m in engine.module.modules() if isinstance(m, Bf16MatmulLinear)]
     assert len(linears) == 4 * engine.config.n_layer
-    assert "bf16 matmuls from" in engine.conversion.notes[0]
+    assert engine.conversion.notes[0].startswith("bf16 matmuls ")  # "from N rows", or "never" where bf16 is emulated
 
 
-def test_the_fastest_row_within_tolerance_is_the_auto_rule() -> None:
+def test_the_auto_rule_is_the_fastest_within_tolerance_that_pays_over_fp32() -> None:
+    def row(engine: str, precision: str, accuracy: float, speed: float) -> dict:
+        return {"engine": engine, "precision": precision, "accuracy": accuracy, "requests_per_s": speed}
+
+    rows = [row("eager", "fp32", 0.99, 100), row("eager", "bf16", 0.98, 150), row("eager", "int8", 0.90, 300),
+            row("onnxruntime", "fp32", 0.99, 120)]
+    assert pick(rows) == ("eager", "bf16")  # int8 is faster but lost 9 points
+    rows[1]["requests_per_s"] = 105  # within noise of fp32: ONNX Runtime's 1.2x is the best left
+    assert pick(rows) == ("onnxruntime", "fp32")
+    rows[3]["requests_per_s"] = 104
+    assert pick(rows) == ("eager", "fp32")  # nothing pays enough: stay exact
+    rows[2]["accuracy"] = 0.975  # int8 back within 2 points of fp32: the fastest wins
+    assert pick(rows) == ("eager", "int8")
+
+
+def test_the_trade_off_table_names_the_rows_the_rule_picks() -> None:
     def row(engine: str, precision: str, accuracy: float, throughput: float, available: bool = True) -> dict:
         return {"engine": engine, "precision": precision, "accuracy": accuracy, "throughput_tok_s": throughput,
                 "available": available}
 
-    rows = [row("eager", "fp32", 0.99, 100), row("eager", "bf16", 0.98, 150), row("eager", "int8", 0.90, 300),
-            row("onnxruntime", "fp32", 0.99, 120), row("tensorrt", "fp16", 0.0, 0.0, available=False)]
-    assert tradeoffs.fastest_within_tolerance(rows)["precision"] == "bf16"  # int8 is faster but lost 9 points
+    rows = [row("eager", "fp32", 0.99, 100), row("eager", "bf16", 0.98, 150), row("tensorrt", "fp16", 0.0, 0.0, available=False)]
+    assert tradeoffs.fastest_within_tolerance(rows)["precision"] == "bf16"
     assert tradeoffs.fastest_within_tolerance(rows[1:]) is None  # no fp32 eager row: nothing to compare with
-    rows[1]["throughput_tok_s"] = 105  # within noise of fp32 (and ONNX Runtime's 1.2x is the best left)
-    assert tradeoffs.fastest_within_tolerance(rows)["engine"] == "onnxruntime"
-    rows[3]["throughput_tok_s"] = 104
-    best = tradeoffs.fastest_within_tolerance(rows)
-    assert (best["engine"], best["precision"]) == ("eager", "fp32")  # nothing pays enough: stay exact
-    rows[1]["throughput_tok_s"], rows[3]["throughput_tok_s"] = 150, 160  # another engine, within 10 % of eager/bf16
-    best = tradeoffs.fastest_within_tolerance(rows)
-    assert (best["engine"], best["precision"]) == ("eager", "bf16")
+
+
+def test_auto_measures_the_candidates_and_serves_what_the_rule_picks(default_model: LoadedModel, tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr("chapters.ch05_inference_engine.engines.ENGINE_CACHE_DIR", tmp_path)
+    engine = build_engine(default_model.model, "auto", "auto")
+    [choice_file] = tmp_path.glob("auto-choice-*.json")
+    choice = json.loads(choice_file.read_text())
+    assert (engine.name, engine.precision) == tuple(choice["chosen"]) == pick(choice["measured"])
+    measured = {(r["engine"], r["precision"]) for r in choice["measured"]}
+    assert ("eager", "fp32") in measured and all(r["requests_per_s"] > 0 for r in choice["measured"])
+    if unavailable_reason("eager", "int8", default_model.model.device) is None:
+        assert ("eager", "int8") in measured  # a CPU without native bf16 still gets its reduced precisions tried

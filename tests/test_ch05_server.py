@@ -11,13 +11,8 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from chapters.ch05_inference_engine.engines import (
-    EngineUnavailable,
-    _activation_dtype,
-    auto_precision,
-    cpu_has_native_bf16,
-    unavailable_reason,
-)
+from chapters.ch05_inference_engine.engine import EngineUnavailable, _activation_dtype
+from chapters.ch05_inference_engine.engines import choose_default, unavailable_reason
 from chapters.ch05_inference_engine.server import EngineSettings, build_app
 from shared.settings import parse_settings
 
@@ -47,11 +42,11 @@ def test_fp32_server_returns_the_oracles_tokens(oracle) -> None:
         assert body["output_ids"] == oracle(ids, 12)
 
 
-def test_the_default_precision_is_the_measured_choice_for_this_device() -> None:
+def test_the_default_precision_is_the_measured_choice_for_this_device(default_model) -> None:
     with TestClient(build_app(settings_for())) as client:
         engine = client.get("/healthz").json()["engine"]
-    assert engine["precision"] == auto_precision(torch.device("cpu"))
-    assert engine["precision"] == ("bf16" if cpu_has_native_bf16() else "fp32")
+    # The same measured choice, read back from the engine cache the server's start wrote.
+    assert (engine["engine"], engine["precision"]) == choose_default(default_model.model)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: TensorRT may be real here")

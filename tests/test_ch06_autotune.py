@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from chapters.ch06_tuned_batching.autotune import Candidate, Trial, choose, main
+from benchmarks.autotune import Candidate, Trial, choose, main
 from chapters.ch06_tuned_batching.server import TUNED_FIELDS, TunedSettings, apply_tuned_config
 
 

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-from chapter_flags import oracle_exact_args
+from chapter_flags import MIN_TOKEN_AGREEMENT, oracle_exact_args
 
 from benchmarks.server_process import RunningServer
 from chapters import CHAPTERS
@@ -78,3 +78,24 @@ def test_concurrent_mixed_requests_get_the_oracles_tokens(chapter_server: Runnin
             wrong.append((i, len(ids), n, answer["output_ids"], tokens))
     assert not wrong, f"{len(wrong)}/{N_REQUESTS} requests differ from the oracle: {wrong[:3]}"
     assert len({r.json()["request_id"] for r in responses}) == N_REQUESTS
+
+
+@pytest.fixture(scope="module", params=[c for c in CHAPTERS if oracle_exact_args(c)])
+def default_precision_server(request, server, expected) -> Iterator[RunningServer]:
+    """Chapters whose default precision is chosen by measurement, started at that default."""
+    with server(request.param) as running:
+        yield running
+
+
+def test_the_default_precision_under_concurrency_keeps_the_measured_agreement(default_precision_server: RunningServer, expected) -> None:
+    def send(case: tuple[dict, list[int], int, list[int]]) -> list[int]:
+        response = requests.post(f"{default_precision_server.url}/v1/inference", json=case[0], timeout=TIMEOUT_S)
+        assert response.status_code == 200, response.text
+        assert len(response.json()["output_ids"]) == case[2]
+        return response.json()["output_ids"]
+
+    with ThreadPoolExecutor(16) as clients:
+        answers = list(clients.map(send, expected))
+    same = sum(a == b for answer, case in zip(answers, expected) for a, b in zip(answer, case[3]))
+    total = sum(case[2] for case in expected)
+    assert same / total >= MIN_TOKEN_AGREEMENT, f"{same}/{total} tokens agree with the oracle"

@@ -1,16 +1,18 @@
-"""The HTTP face every async chapter shares: routes, the contract's errors, request ids.
+"""The HTTP face every async chapter shares: routes, the contract's errors, request ids, and the backend it serves.
 
-Chapter 2 introduces it; chapters 3 and later import :func:`create_app` and hand it a different
-``generate`` coroutine (a batcher, a memory pool, an engine), so their diffs show only what changed
-behind the endpoint.
+The HTTP layer knows one thing about inference: a :class:`Backend`. Chapter 2's backend hands each
+request to one inference thread; chapter 3's to a batcher; later chapters compose theirs from a
+pool, admission control, an engine. Each chapter's ``server.py`` builds its backend from parts and
+passes it to :func:`create_app`, so what a chapter runs can be read in that one file.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from contextlib import AbstractAsyncContextManager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -21,6 +23,8 @@ from shared.schemas import (
     STATUS_ERROR_TYPES,
     ApiError,
     ContractLimits,
+    InferenceRequest,
+    InferenceResponse,
     ValidRequest,
     build_response,
     error_body,
@@ -38,12 +42,38 @@ class Generated:
     timings_ms: dict[str, float] = field(default_factory=dict)
 
 
-# A backend: given the checked request and a way to ask whether the client is still there.
-Generate = Callable[[ValidRequest, Callable[[], Awaitable[bool]]], Awaitable[Generated]]
+# Asks whether the client behind a request has gone away (Starlette's ``request.is_disconnected``).
+DisconnectCheck = Callable[[], Awaitable[bool]]
+
+
+class Backend(Protocol):
+    """What serves inference behind the HTTP layer.
+
+    ``start`` runs inside the server's event loop before the first request, ``close`` after the last
+    one (it finishes what was accepted). ``generate`` computes one checked request; it may raise
+    :class:`~shared.schemas.ApiError` (429, 499, 500, 503, ...), which becomes that status.
+    ``health`` adds fields to ``/healthz``; ``stats`` is ``/stats`` (counters and figures as JSON).
+    """
+
+    async def start(self) -> None: ...
+
+    async def generate(self, request: ValidRequest, is_disconnected: DisconnectCheck) -> Generated: ...
+
+    def health(self) -> dict: ...
+
+    def stats(self) -> dict: ...
+
+    async def close(self) -> None: ...
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refusing early (413) when the declared or the streamed size passes ``limit``."""
+    """The body, refusing early (413) when the declared or the streamed size passes ``limit``.
+
+    Raises ``ApiError(413, "body_too_large", ...)`` without reading the stream when the
+    ``Content-Length`` header declares more than ``limit`` bytes, and otherwise as soon as the bytes
+    read so far pass ``limit`` (the rest is never read). A body of exactly ``limit`` bytes is accepted.
+    """
+    # EXERCISE ch02.3 BEGIN "the body limit: 413 on the declared size, or as soon as the stream passes it"
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, "body_too_large", f"request body is {declared} bytes; the limit is {limit}")
@@ -53,6 +83,7 @@ async def read_body(request: Request, limit: int) -> bytes:
         if len(body) > limit:
             raise ApiError(413, "body_too_large", f"request body exceeds the limit of {limit} bytes")
     return bytes(body)
+    # EXERCISE ch02.3 END
 
 
 def _request_id(request: Request) -> str:
@@ -66,17 +97,59 @@ def _error_response(request: Request, status: int, type_: str, message: str, hea
     return JSONResponse(error_body(type_, message), status_code=status, headers=headers)
 
 
-def create_app(
-    *,
-    title: str,
-    limits: ContractLimits,
-    tokenizer: Tokenizer,
-    generate: Generate,
-    health: Callable[[], dict] = lambda: {},
-    lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None = None,
-) -> FastAPI:
-    """The contract's routes around ``generate``; ``health`` adds fields to ``/healthz``."""
+# What /v1/inference may answer besides 200, as the OpenAPI document declares it (every chapter
+# declares the whole contract; a chapter that never returns one of them simply never does).
+ERROR_RESPONSES = {
+    400: "the body is not JSON",
+    413: "the body is larger than the server accepts",
+    422: "invalid fields, ids outside the vocabulary, or prompt + new tokens over the context",
+    429: "the queue is full: retry after the Retry-After header's seconds",
+    499: "the client disconnected before its request was computed",
+    500: "the batch this request was computed in failed",
+    503: "the server is not ready or is draining",
+    504: "the request passed its deadline",
+}
+_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {
+        "type": "object", "required": ["type", "message"],
+        "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+    }},
+}
+
+
+def inference_openapi() -> dict:
+    """The request body and every response of ``/v1/inference`` for the OpenAPI document.
+
+    The endpoint reads its body by hand (to refuse an oversized one early, 413), so FastAPI cannot
+    infer it: without this, ``/docs`` could not try the endpoint and a schema-driven fuzzer would
+    send empty bodies.
+    """
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": InferenceRequest.model_json_schema()}},
+        },
+        "responses": {
+            str(status): {"description": text, "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
+            for status, text in ERROR_RESPONSES.items()
+        },
+    }
+
+
+def create_app(*, title: str, limits: ContractLimits, tokenizer: Tokenizer, backend: Backend) -> FastAPI:
+    """The contract's routes around ``backend``; its ``start``/``close`` bracket the server's life."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await backend.start()
+        yield
+        # On SIGTERM uvicorn stops accepting and lets in-flight requests finish before we get here.
+        await backend.close()
+
     app = FastAPI(title=title, lifespan=lifespan)
+    app.state.backend = backend
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -93,16 +166,20 @@ def create_app(
 
     @app.get("/healthz")
     async def healthz() -> dict:
-        return {"status": "ok", **health()}
+        return {"status": "ok", **backend.health()}
 
-    @app.post("/v1/inference")
+    @app.get("/stats")
+    async def stats() -> dict:
+        return backend.stats()
+
+    @app.post("/v1/inference", response_model=InferenceResponse, openapi_extra=inference_openapi())
     async def inference(request: Request) -> JSONResponse:
         started = time.perf_counter()
         request_id = _request_id(request)
         body = await read_body(request, limits.max_body_bytes)
         valid = parse_inference_request(body, limits, tokenizer)
         parsed = time.perf_counter()
-        result = await generate(valid, request.is_disconnected)
+        result = await backend.generate(valid, request.is_disconnected)
         timings = {"parse": (parsed - started) * 1e3, **result.timings_ms, "total": (time.perf_counter() - started) * 1e3}
         response = build_response(request_id, len(valid.input_ids), result.output_ids, tokenizer, timings)
         return JSONResponse(response.model_dump(), headers={REQUEST_ID_HEADER: request_id})

@@ -16,14 +16,15 @@ length run together unpadded, and their keys and values are stitched into one le
 (``--prefill padded``): on the benchmark's mix of 16 to 128-token prompts it computes about twice
 the prompt tokens there are.
 
-This is **static batching**: the batch enters together and leaves together. A row that asked for
-fewer tokens stops being returned once it has them, but its slot keeps being computed (and padded
-columns keep being carried) until the longest row is done; requests that arrive meanwhile wait for
-the whole batch. Continuous batching, a later chapter, lets rows leave and join at every step.
+The batch is driven by the step loop (:mod:`~chapters.ch03_dynamic_batching.step_loop`) with a
+request-level scheduler, :class:`StaticBatch`: the batch enters together and leaves together. A row
+that asked for fewer tokens stops being returned once it has them, but its slot keeps being computed
+(and padded columns keep being carried) until the longest row is done; requests that arrive
+meanwhile wait for the whole batch. Continuous batching (chapter 8, on the roadmap) is a step-level
+scheduler on the same loop that lets rows leave and join at every step.
 
-What a later chapter may plug in: ``cache_factory(batch_size, max_seq_len) -> KVCache`` (chapter 4
-passes a cache backed by its pre-allocated pool; the cache is used only during the call, so a caller
-that lends pool memory takes it back after :func:`generate_batch` returns or raises).
+``cache_factory(batch_size, max_seq_len) -> KVCache`` chooses where the batch's keys and values live
+(default: growing tensors); the cache is used only during the call.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from chapters.ch03_dynamic_batching.step_loop import run_until_done
 from shared.devices import synchronize
-from shared.model import GPT, DynamicKVCache, KVCache
+from shared.model import DynamicKVCache, KVCache, ModelConfig, StepModel
 
 # (batch_size, max_seq_len) -> an empty cache for that many rows; it will hold at most max_seq_len positions.
 CacheFactory = Callable[[int, int], KVCache]
@@ -52,7 +54,13 @@ class RowOutput:
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-    """``(input_ids, attention_mask, position_ids)``, each (B, longest prompt), padded on the left."""
+    """``(input_ids, attention_mask, position_ids)``, each (B, longest prompt), padded on the left.
+
+    Row ``i`` ends with prompt ``i``'s ids and starts with ``pad_id`` up to the longest prompt's
+    length; the mask is 1 on real tokens and 0 on padding; a row's real tokens are at positions
+    0, 1, 2, ... (padding gets position 0: it is masked). All three are ``torch.long`` on ``device``.
+    """
+    # EXERCISE ch03.3 BEGIN "left padding with position ids that count real tokens only"
     longest = max(len(p) for p in prompts)
     input_ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(prompts), longest), dtype=torch.long)
@@ -62,6 +70,7 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
     # Real tokens count 0, 1, 2, ...; padding gets 0 (it is masked, any valid index would do).
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     return input_ids.to(device), attention_mask.to(device), position_ids.to(device)
+    # EXERCISE ch03.3 END
 
 
 def fits_in_context(prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], n_ctx: int) -> bool:
@@ -89,9 +98,110 @@ def split_to_fit(lengths_and_new: Sequence[tuple[int, int]], n_ctx: int) -> list
 Prefill = Literal["by_length", "padded"]
 
 
+class StaticBatch:
+    """Request-level scheduling for :mod:`~chapters.ch03_dynamic_batching.step_loop`: one batch, fixed at the start.
+
+    The first step is the prompt pass (``prefill``: :func:`prefill_by_length`, or :func:`prefill_padded`,
+    the textbook version that computes the padding too), which leaves one left-padded cache. Then one
+    decode step per new token runs for all rows at once, until the row that wants the most is done:
+    a finished row is still computed (its slot is part of the batch's tensors), no longer recorded.
+    The padded batch must fit the context (:func:`fits_in_context`; :func:`generate_batch` splits a
+    batch that does not).
+
+    :meth:`choose` turns a step's logits into the tokens fed back: greedy here; a subclass may force
+    tokens instead (teacher forcing, for measuring an engine's logits against another's).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        device: torch.device,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: Sequence[int],
+        pad_id: int,
+        cache: KVCache,
+        prefill: Prefill = "by_length",
+    ) -> None:
+        if len(prompts) != len(max_new_tokens) or not prompts:
+            raise ValueError("need one max_new_tokens per prompt, and at least one prompt")
+        if not fits_in_context(prompts, max_new_tokens, config.n_ctx):
+            raise ValueError(f"the padded batch exceeds the context of {config.n_ctx}; split it first")
+        self.prompts, self.max_new_tokens, self.prefill_kind = prompts, max_new_tokens, prefill
+        self.steps = max(max_new_tokens)
+        self.input_ids, self.attention_mask, self.position_ids = left_pad(prompts, pad_id, device)
+        self.padded = bool((self.attention_mask == 0).any())
+        self.cache = cache
+        self.outputs: list[list[int]] = [[] for _ in prompts]
+        self.taken = 0  # steps whose tokens have been recorded
+        self.started = time.perf_counter()
+        self.prefill_ms = 0.0
+        self.finished_ms = [0.0] * len(prompts)
+
+    @property
+    def done(self) -> bool:
+        return self.taken == self.steps
+
+    def schedule(self) -> _PromptPass | _DecodeStep | None:
+        if self.done:
+            return None
+        if self.taken == 0:
+            return _PromptPass(self)
+        return _DecodeStep(self)
+
+    def choose(self, logits: Tensor) -> Tensor:
+        """The ids fed back after this step: greedy."""
+        return logits.argmax(dim=-1)
+
+    def update(self, step: _PromptPass | _DecodeStep, logits: Tensor) -> None:
+        next_ids = self.choose(logits)
+        tokens = next_ids.tolist()  # one device sync per step
+        elapsed_ms = (time.perf_counter() - self.started) * 1e3
+        if self.taken == 0:
+            self.prefill_ms = elapsed_ms
+            self.position_ids = self.position_ids[:, -1:]  # from now on: each row's newest position
+        for row, token in enumerate(tokens):
+            if len(self.outputs[row]) < self.max_new_tokens[row]:
+                self.outputs[row].append(token)
+                if len(self.outputs[row]) == self.max_new_tokens[row]:
+                    self.finished_ms[row] = elapsed_ms
+        self.taken += 1
+        # What the next decode step feeds: each row's newest token, one position further; the mask grows a column.
+        self.input_ids = next_ids[:, None]
+        self.position_ids = self.position_ids + 1
+        self.attention_mask = torch.cat([self.attention_mask, self.attention_mask.new_ones((len(tokens), 1))], dim=1)
+
+    def results(self) -> list[RowOutput]:
+        batch_ms = (time.perf_counter() - self.started) * 1e3
+        return [
+            RowOutput(ids, {"prefill": self.prefill_ms, "decode": done - self.prefill_ms, "batch": batch_ms})
+            for ids, done in zip(self.outputs, self.finished_ms)
+        ]
+
+
+@dataclass
+class _PromptPass:
+    batch: StaticBatch
+
+    def execute(self, model: StepModel) -> Tensor:
+        b = self.batch
+        if b.prefill_kind == "padded":
+            return prefill_padded(model, b.input_ids, b.attention_mask if b.padded else None, b.position_ids, b.cache)
+        return prefill_by_length(model, b.prompts, b.cache)
+
+
+@dataclass
+class _DecodeStep:
+    batch: StaticBatch
+
+    def execute(self, model: StepModel) -> Tensor:
+        b = self.batch
+        # Without padding the plain causal path is exact and faster: only pass a mask when needed.
+        return model.decode(b.input_ids, b.position_ids, b.attention_mask if b.padded else None, b.cache)
+
+
 @torch.no_grad()
 def batched_greedy(
-    model: GPT,
+    model: StepModel,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: Sequence[int],
     pad_id: int,
@@ -100,75 +210,30 @@ def batched_greedy(
 ) -> list[RowOutput]:
     """Greedy continuations of every prompt, computed together: row ``i`` gets exactly ``max_new_tokens[i]`` ids.
 
-    The prompt pass (``prefill``: :func:`prefill_by_length`, or :func:`prefill_padded`, the textbook
-    version that computes the padding too) leaves one left-padded cache; then one decode step per new
-    token runs for all rows at once, until the row that wants the most is done. The padded batch must
-    fit the context (:func:`fits_in_context`; :func:`generate_batch` splits a batch that does not).
+    :class:`StaticBatch` turned by the step loop until the longest row is done.
     """
-    if len(prompts) != len(max_new_tokens) or not prompts:
-        raise ValueError("need one max_new_tokens per prompt, and at least one prompt")
-    if not fits_in_context(prompts, max_new_tokens, model.config.n_ctx):
-        raise ValueError(f"the padded batch exceeds the context of {model.config.n_ctx}; split it first")
-    device = model.device
-    batch, steps = len(prompts), max(max_new_tokens)
-    input_ids, attention_mask, position_ids = left_pad(prompts, pad_id, device)
-    padded = bool((attention_mask == 0).any())
+    longest = max((len(p) for p in prompts), default=0)
     # The last token generated is never fed back, so the cache holds the prompt plus steps - 1 positions.
-    cache = (cache_factory or _dynamic_cache(model))(batch, input_ids.shape[1] + steps - 1)
-    outputs: list[list[int]] = [[] for _ in prompts]
-    finished_ms = [0.0] * batch
-
-    started = time.perf_counter()
-    if prefill == "padded":
-        next_ids = prefill_padded(model, input_ids, attention_mask if padded else None, position_ids, cache)
-    else:
-        next_ids = prefill_by_length(model, prompts, cache)
-    position_ids = position_ids[:, -1:]  # from now on: each row's newest position
-    for step in range(steps):
-        if step > 0:
-            # Feed each row its newest token, one position after its last one; the mask grows a column.
-            position_ids = position_ids + 1
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((batch, 1))], dim=1)
-            logits = model(
-                next_ids[:, None],
-                position_ids=position_ids,
-                # Without padding the plain causal path is exact and faster: only pass a mask when needed.
-                attention_mask=attention_mask if padded else None,
-                cache=cache,
-                last_token_only=True,
-            )
-            next_ids = logits[:, -1, :].argmax(dim=-1)
-        tokens = next_ids.tolist()  # one device sync per step
-        elapsed_ms = (time.perf_counter() - started) * 1e3
-        if step == 0:
-            prefill_ms = elapsed_ms
-        for row, token in enumerate(tokens):
-            if len(outputs[row]) < max_new_tokens[row]:  # a finished row is still computed, no longer returned
-                outputs[row].append(token)
-                if len(outputs[row]) == max_new_tokens[row]:
-                    finished_ms[row] = elapsed_ms
-    synchronize(device)
-    batch_ms = (time.perf_counter() - started) * 1e3
-    return [
-        RowOutput(ids, {"prefill": prefill_ms, "decode": done - prefill_ms, "batch": batch_ms})
-        for ids, done in zip(outputs, finished_ms)
-    ]
+    cache = (cache_factory or _dynamic_cache(model))(len(prompts), longest + max(max_new_tokens, default=1) - 1)
+    batch = StaticBatch(model.config, model.device, prompts, max_new_tokens, pad_id, cache, prefill)
+    run_until_done(batch, model)
+    synchronize(model.device)
+    return batch.results()
 
 
 def prefill_padded(
-    model: GPT, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor, cache: KVCache
+    model: StepModel, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor, cache: KVCache
 ) -> Tensor:
-    """The textbook prompt pass: the whole left-padded batch at once. Returns each row's first new token.
+    """The textbook prompt pass: the whole left-padded batch at once. Returns each row's last logits (B, V).
 
     Simple, but every row is computed at the longest prompt's length: the padding costs as much as
     real tokens (masked, not skipped).
     """
-    logits = model(input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=cache, last_token_only=True)
-    return logits[:, -1, :].argmax(dim=-1)
+    return model.prefill(input_ids, position_ids, attention_mask, cache)
 
 
-def prefill_by_length(model: GPT, prompts: Sequence[Sequence[int]], cache: KVCache) -> Tensor:
-    """The prompt pass without computing any padding. Returns each row's first new token.
+def prefill_by_length(model: StepModel, prompts: Sequence[Sequence[int]], cache: KVCache) -> Tensor:
+    """The prompt pass without computing any padding. Returns each row's last logits (B, V).
 
     Prompts of the same length go through together, with no padding and no mask (the plain causal
     path: exactly what each would compute alone). Their keys and values are then copied into one
@@ -178,14 +243,16 @@ def prefill_by_length(model: GPT, prompts: Sequence[Sequence[int]], cache: KVCac
     """
     device, n_layer = model.device, model.config.n_layer
     longest = max(len(p) for p in prompts)
-    first_ids = torch.empty(len(prompts), dtype=torch.long, device=device)
+    first_logits: Tensor | None = None
     keys: list[Tensor] = []  # per layer: (B, H, longest, D)
     values: list[Tensor] = []
     for length, rows in _rows_by_length(prompts).items():
         capture = _CapturingCache(n_layer)
         ids = torch.tensor([list(prompts[r]) for r in rows], dtype=torch.long, device=device)
-        logits = model(ids, cache=capture, last_token_only=True)
-        first_ids[rows] = logits[:, -1, :].argmax(dim=-1)
+        logits = model.prefill(ids, None, None, capture)
+        if first_logits is None:
+            first_logits = logits.new_empty((len(prompts), logits.shape[-1]))
+        first_logits[rows] = logits
         if not keys:  # the first group tells the shapes: (rows, heads, positions, head size)
             _, heads, _, head_dim = capture.keys[0].shape
             like = capture.keys[0]
@@ -197,7 +264,7 @@ def prefill_by_length(model: GPT, prompts: Sequence[Sequence[int]], cache: KVCac
     for layer in range(n_layer):
         cache.update(layer, keys[layer], values[layer])
     cache.advance(longest)
-    return first_ids
+    return first_logits
 
 
 def _rows_by_length(prompts: Sequence[Sequence[int]]) -> dict[int, list[int]]:
@@ -222,16 +289,19 @@ class _CapturingCache:
         self.keys[layer], self.values[layer] = key, value
         return key, value
 
+    def read(self, layer: int) -> tuple[Tensor, Tensor]:
+        return self.keys[layer], self.values[layer]
+
     def advance(self, n_tokens: int) -> None:
         pass
 
 
-def _dynamic_cache(model: GPT) -> CacheFactory:
+def _dynamic_cache(model: StepModel) -> CacheFactory:
     return lambda batch_size, max_seq_len: DynamicKVCache(model.config.n_layer)
 
 
 def generate_batch(
-    model: GPT,
+    model: StepModel,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: Sequence[int],
     pad_id: int,

@@ -32,10 +32,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from shared.schemas import ApiError
@@ -111,6 +111,7 @@ class BatcherStats:
     failed_batches: int = 0
     dropped_disconnected: int = 0
     largest_batch: int = 0
+    batch_sizes: Counter[int] = field(default_factory=Counter)  # batch size -> batches of that size
 
 
 class DynamicBatcher(Generic[RequestT, ResultT]):
@@ -221,7 +222,12 @@ class DynamicBatcher(Generic[RequestT, ResultT]):
         return True
 
     async def _wait_for_trigger(self) -> None:
-        """Return when ``min_batch`` requests wait, or the oldest has waited a full window."""
+        """Return when ``min_batch`` requests wait, or the oldest has waited a full window.
+
+        Returns at once while closing (drain without waiting) or when the queue has emptied (every
+        waiting request was cancelled). Waits through ``self._clock``, waking on ``self._arrival``.
+        """
+        # EXERCISE ch03.1 BEGIN "the batcher's triggers: a window from the first arrival, and min_batch"
         while self._queue and len(self._queue) < self.config.min_batch and not self._closing:
             # Recomputed every time: the deadline belongs to whoever is oldest now (the head may
             # have been cancelled), never to the moment the collector happened to look.
@@ -230,6 +236,7 @@ class DynamicBatcher(Generic[RequestT, ResultT]):
                 return
             self._arrival.clear()
             await self._clock.wait(self._arrival, remaining)
+        # EXERCISE ch03.1 END
 
     def window_s(self) -> float:
         """How long the batch being formed may wait for company: fixed here; chapter 6 adapts it."""
@@ -241,18 +248,28 @@ class DynamicBatcher(Generic[RequestT, ResultT]):
             await self._clock.wait(self._device_free, None)
 
     async def _take_batch(self) -> list[_Waiting[RequestT, ResultT]]:
-        """Pop up to ``max_batch`` of the oldest requests whose clients are still there."""
+        """Pop up to ``max_batch`` of the oldest requests whose clients are still there.
+
+        A request whose future is already done (cancelled while queued) is skipped; one whose client
+        is gone (:meth:`_client_gone`) is counted in ``stats.dropped_disconnected`` and its future
+        fails with :class:`ClientDisconnected`. Neither counts towards ``max_batch``.
+        """
+        # EXERCISE ch03.2 BEGIN "the FIFO cut: at most max_batch of the oldest, skipping clients that are gone"
         batch: list[_Waiting[RequestT, ResultT]] = []
         while self._queue and len(batch) < self.config.max_batch:
             waiting = self._queue.popleft()
             if waiting.future.done():
                 continue  # cancelled while queued
-            if await self._client_gone(waiting):
+            gone = await self._client_gone(waiting)
+            if waiting.future.done():
+                continue  # cancelled while its client was being checked (a deadline, say)
+            if gone:
                 self.stats.dropped_disconnected += 1
                 waiting.future.set_exception(ClientDisconnected())
                 continue
             batch.append(waiting)
         return batch
+        # EXERCISE ch03.2 END
 
     @staticmethod
     async def _client_gone(waiting: _Waiting[RequestT, ResultT]) -> bool:
@@ -291,6 +308,7 @@ class DynamicBatcher(Generic[RequestT, ResultT]):
         self.stats.batches += 1
         self.stats.requests += size
         self.stats.largest_batch = max(self.stats.largest_batch, size)
+        self.stats.batch_sizes[size] += 1
 
     def describe(self) -> dict:
         """Configuration and counters, for ``/healthz``."""
@@ -305,4 +323,5 @@ class DynamicBatcher(Generic[RequestT, ResultT]):
             "largest_batch": self.stats.largest_batch,
             "failed_batches": self.stats.failed_batches,
             "dropped_disconnected": self.stats.dropped_disconnected,
+            "batch_sizes": {str(size): count for size, count in sorted(self.stats.batch_sizes.items())},
         }

@@ -14,20 +14,16 @@ benchmark is batching's doing alone.
 from __future__ import annotations
 
 import time
-from contextlib import asynccontextmanager
 
 import uvicorn
 from fastapi import FastAPI
 from pydantic import Field, model_validator
 
-from chapters.ch02_fastapi_async.api import Generated, create_app
+from chapters.ch02_fastapi_async.api import DisconnectCheck, Generated, create_app
 from chapters.ch03_dynamic_batching.batched_generation import Prefill, generate_batch
-from chapters.ch03_dynamic_batching.batcher import (
-    BatcherConfig,
-    BatchRunner,
-    DynamicBatcher,
-)
+from chapters.ch03_dynamic_batching.batcher import BatcherConfig, BatchRunner, DynamicBatcher
 from shared.devices import choose_device, set_threads
+from shared.model import StepModel
 from shared.schemas import ValidRequest
 from shared.settings import ServerSettings, parse_settings
 from shared.weights import load_model
@@ -51,42 +47,60 @@ class BatchingSettings(ServerSettings):
         return BatcherConfig(max_batch=self.max_batch, min_batch=self.min_batch, window_s=self.window_ms / 1e3)
 
 
+class GreedyBatchRunner:
+    """What the batcher runs in its thread: one padded batch through chapter 3's batched generation."""
+
+    def __init__(self, model: StepModel, pad_id: int, prefill: Prefill) -> None:
+        self.model, self.pad_id, self.prefill = model, pad_id, prefill
+
+    def __call__(self, requests: list[ValidRequest]) -> list[Generated]:
+        rows = generate_batch(
+            self.model, [r.input_ids for r in requests], [r.max_new_tokens for r in requests], self.pad_id, prefill=self.prefill
+        )
+        return [Generated(row.output_ids, row.timings_ms) for row in rows]
+
+
+class BatchedBackend:
+    """Requests go through a batcher; each awaits its own result."""
+
+    def __init__(self, batcher: DynamicBatcher[ValidRequest, Generated], description: dict) -> None:
+        self.batcher = batcher
+        self.description = description
+
+    async def start(self) -> None:
+        self.batcher.start()
+
+    async def generate(self, request: ValidRequest, is_disconnected: DisconnectCheck) -> Generated:
+        submitted = time.perf_counter()
+        result = await self.batcher.submit(request, is_disconnected)
+        waited_ms = (time.perf_counter() - submitted) * 1e3
+        return Generated(result.output_ids, {"queue": waited_ms - result.timings_ms.get("batch", 0.0), **result.timings_ms})
+
+    def health(self) -> dict:
+        return {**self.description, "batcher": self.batcher.describe()}
+
+    def stats(self) -> dict:
+        return self.health()
+
+    async def close(self) -> None:
+        # close() refuses new work (503) and computes whatever is still queued.
+        await self.batcher.close()
+
+
 def build_app(settings: BatchingSettings, run_batch: BatchRunner[ValidRequest, Generated] | None = None) -> FastAPI:
     """The server; ``run_batch`` replaces the model's batch function (tests inject failures with it)."""
     set_threads(settings.torch_threads)
     loaded = load_model(settings.weights, settings.preset, choose_device(settings.device), settings.torch_dtype)
-
-    def run_model(requests: list[ValidRequest]) -> list[Generated]:
-        rows = generate_batch(
-            loaded.model, [r.input_ids for r in requests], [r.max_new_tokens for r in requests],
-            loaded.tokenizer.pad_id, prefill=settings.prefill,
-        )
-        return [Generated(row.output_ids, row.timings_ms) for row in rows]
-
     # The batcher owns the one inference thread (chapter 2's ThreadPoolExecutor(1)) and feeds it batches.
-    batcher = DynamicBatcher(run_batch or run_model, settings.batcher_config())
-
-    async def generate(request: ValidRequest, is_disconnected) -> Generated:
-        submitted = time.perf_counter()
-        result = await batcher.submit(request, is_disconnected)
-        waited_ms = (time.perf_counter() - submitted) * 1e3
-        return Generated(result.output_ids, {"queue": waited_ms - result.timings_ms.get("batch", 0.0), **result.timings_ms})
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        batcher.start()
-        yield
-        # On SIGTERM uvicorn stops accepting and lets in-flight requests finish before we get here;
-        # close() then refuses new work (503) and computes whatever is still queued.
-        await batcher.close()
-
+    batcher = DynamicBatcher(
+        run_batch or GreedyBatchRunner(loaded.model, loaded.tokenizer.pad_id, settings.prefill), settings.batcher_config()
+    )
+    backend = BatchedBackend(batcher, {"chapter": "ch03", "model": loaded.source, "prefill": settings.prefill})
     return create_app(
         title="ch03 dynamic batching",
         limits=settings.limits(loaded.config.vocab_size, loaded.config.n_ctx),
         tokenizer=loaded.tokenizer,
-        generate=generate,
-        health=lambda: {"chapter": "ch03", "model": loaded.source, "prefill": settings.prefill, "batcher": batcher.describe()},
-        lifespan=lifespan,
+        backend=backend,
     )
 
 

@@ -51,10 +51,15 @@ def kv_bytes_per_request(config: ModelConfig, longest_tokens: int, dtype: torch.
 
 
 def pool_tokens_by_rule(longest_tokens: int, max_concurrency: int, headroom: float = DEFAULT_HEADROOM) -> int:
-    """The article's rule, in token slots: longest sequence x maximum concurrency x headroom."""
+    """The article's rule, in token slots: longest sequence x maximum concurrency x headroom.
+
+    Rounded up to a whole slot; raises ValueError unless both counts are >= 1 and headroom >= 1.0.
+    """
+    # EXERCISE ch04.3 BEGIN "the article's sizing rule"
     if longest_tokens < 1 or max_concurrency < 1 or headroom < 1.0:
         raise ValueError("longest_tokens and max_concurrency must be >= 1, headroom >= 1.0")
     return math.ceil(longest_tokens * max_concurrency * headroom)
+    # EXERCISE ch04.3 END
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -149,11 +154,13 @@ class BlockAllocator:
         """The lowest-addressed free range of ``n_blocks`` blocks, or None when none is large enough."""
         if n_blocks < 1:
             raise ValueError(f"allocate at least one block, got {n_blocks}")
+        # EXERCISE ch04.1 BEGIN "first fit: the lowest-addressed free range that is large enough"
         with self._lock:
             for index, size in enumerate(self._free_sizes):
                 if size >= n_blocks:
                     return self._take(index, n_blocks)
             return None
+        # EXERCISE ch04.1 END
 
     def allocate(self, n_blocks: int) -> BlockRange:
         """Like :meth:`try_allocate`, but raise :class:`PoolExhausted` instead of returning None."""
@@ -163,6 +170,8 @@ class BlockAllocator:
         return taken
 
     def _take(self, index: int, n_blocks: int) -> BlockRange:
+        """Cut ``n_blocks`` from free range ``index``; record the live range and the used count."""
+        # EXERCISE ch04.1 BEGIN "first fit: the lowest-addressed free range that is large enough"
         # Cut from the front of the free range: the remainder keeps its place in the sorted list.
         start = self._free_starts[index]
         if self._free_sizes[index] == n_blocks:
@@ -175,6 +184,7 @@ class BlockAllocator:
         self._live[start] = taken
         self._used_blocks += n_blocks
         return taken
+        # EXERCISE ch04.1 END
 
     # -- release ------------------------------------------------------------------------------
 
@@ -193,6 +203,8 @@ class BlockAllocator:
             raise DoubleFree(f"{block_range} was already freed")
 
     def _insert_and_merge(self, start: int, size: int) -> None:
+        """Put ``size`` free blocks at ``start`` back in the sorted free list, merged with touching neighbours."""
+        # EXERCISE ch04.2 BEGIN "coalescing free: merge a returned range with its free neighbours"
         index = bisect.bisect_left(self._free_starts, start)
         merges_left = index > 0 and self._free_starts[index - 1] + self._free_sizes[index - 1] == start
         merges_right = index < len(self._free_starts) and start + size == self._free_starts[index]
@@ -207,6 +219,7 @@ class BlockAllocator:
         else:
             self._free_starts.insert(index, start)
             self._free_sizes.insert(index, size)
+        # EXERCISE ch04.2 END
 
     # -- figures ------------------------------------------------------------------------------
 
@@ -367,6 +380,11 @@ class PooledKVCache:
         keys[:, :, self._seq_len : end].copy_(key)
         values[:, :, self._seq_len : end].copy_(value)
         return keys[:, :, :end], values[:, :, :end]
+
+    def read(self, layer: int) -> tuple[Tensor, Tensor]:
+        if self.block_range is None:
+            raise RuntimeError("this cache was closed: its blocks belong to the pool again")
+        return self._keys[layer][:, :, : self._seq_len], self._values[layer][:, :, : self._seq_len]
 
     def advance(self, n_tokens: int) -> None:
         self._seq_len += n_tokens

@@ -1,19 +1,18 @@
-"""Chapter 5: the same server as chapter 4, with the model run by an inference engine.
+"""Chapter 5: chapter 4's server, its batches computed by an inference engine at a chosen precision.
 
 A request's life is chapter 4's, unchanged: admission control, the batcher, one padded batch at a
 time in the inference thread, a KV cache inside the pre-allocated pool. What changes is what
-computes each prefill and decode step: an :class:`~chapters.ch05_inference_engine.engines.Engine`
-chosen by ``--engine`` and ``--precision`` instead of the eager PyTorch model. The engine has the
-model's call signature, so chapter 3's batched generation drives it without knowing; the pool is
-allocated in the engine's dtype (16-bit keys and values, for fp16 and for bf16 on a GPU, take half the
-bytes; bf16 on a CPU keeps them in fp32).
+computes each prefill and decode step: an :class:`~chapters.ch05_inference_engine.engine.Engine`
+chosen by ``--engine`` and ``--precision`` instead of the eager PyTorch model. The engine offers the
+model's two steps, so chapter 3's step loop drives it without knowing; the pool is allocated in the
+engine's dtype (16-bit keys and values, for fp16 and for bf16 on a GPU, take half the bytes; bf16 on
+a CPU keeps them in fp32).
 
-``--precision auto`` takes the fastest precision that keeps the task accuracy within 2 points of
-fp32 on this kind of device (bf16 where the hardware multiplies in bf16; the README's trade-off
-table has the figures), and ``--engine auto`` the fastest engine measured there. The oracle's exact
-tokens are then a promise of ``--precision fp32`` only, which the cross-chapter tests use; the
-default's promise is the measured accuracy. The CPU fallback path of chapter 4 stays on the eager
-fp32 model: it is the slow, safe way out.
+``--engine auto --precision auto`` (the default) serves what :func:`~chapters.ch05_inference_engine.
+engines.choose_default` measures to be fastest on this machine within the accuracy tolerance. The
+oracle's exact tokens are then a promise of ``--precision fp32`` only, which the cross-chapter tests
+use; the default's promise is the measured accuracy. The CPU fallback path of chapter 4 stays on the
+eager fp32 model: it is the slow, safe way out.
 """
 
 from __future__ import annotations
@@ -25,11 +24,21 @@ import uvicorn
 from fastapi import FastAPI
 from pydantic import Field
 
-from chapters.ch04_memory_pool.server import PoolSettings
-from chapters.ch04_memory_pool.server import build_app as build_pool_app
-from chapters.ch05_inference_engine.engines import Engine, build_engine
-from shared.model import GPT
+from chapters.ch02_fastapi_async.api import create_app
+from chapters.ch03_dynamic_batching.batcher import DynamicBatcher
+from chapters.ch04_memory_pool.server import (
+    CpuFallback,
+    PooledBackend,
+    PooledBatchRunner,
+    PoolSettings,
+    admission_for,
+    build_pool,
+)
+from chapters.ch05_inference_engine.engine import Engine
+from chapters.ch05_inference_engine.engines import build_engine
+from shared.devices import choose_device, set_threads
 from shared.settings import parse_settings
+from shared.weights import LoadedModel, load_model
 
 log = logging.getLogger("chapters.ch05_inference_engine")
 
@@ -37,27 +46,42 @@ log = logging.getLogger("chapters.ch05_inference_engine")
 class EngineSettings(PoolSettings):
     """Chapter 4's knobs plus the engine and its precision."""
 
-    engine: Literal["auto", "eager", "compile", "onnxruntime", "tensorrt"] = Field(
-        "auto", description="what runs the model: auto = the fastest engine measured on this kind of device"
+    engine: Literal["auto", "eager", "compile", "onnxruntime", "tensorrt", "cudagraph"] = Field(
+        "auto", description="what runs the model: auto = the measured rule (engines.py); with a named precision, eager"
     )
     precision: Literal["auto", "fp32", "fp16", "bf16", "int8"] = Field(
-        "auto", description="auto = the fastest within 2 points of fp32's task accuracy here; fp32 returns the oracle's tokens"
+        "auto", description="auto = the measured rule (engines.py); with a named engine, fp32; fp32 returns the oracle's tokens"
     )
 
 
-def build_app(settings: EngineSettings, *, chapter: str = "ch05", **pool_hooks) -> FastAPI:
-    """Chapter 4's server, its batches computed by the engine; fails at start-up (with the reason)
-    when the engine cannot run here, rather than serving something else than was asked for.
-    ``pool_hooks`` go to chapter 4's ``build_app`` (chapter 6 passes its batcher)."""
+def engine_for(settings: EngineSettings, loaded: LoadedModel) -> Engine:
+    """The engine the settings ask for; fails at start-up (with the reason) when it cannot run here,
+    rather than serving something else than was asked for."""
+    engine = build_engine(loaded.model, settings.engine, settings.precision)
+    cost = engine.conversion
+    log.info("engine %s on %s: ready in %.1f s%s", engine.label, engine.device, cost.seconds,
+             " (artifacts from the cache)" if cost.from_cache else "")
+    return engine
 
-    def prepare(model: GPT) -> Engine:
-        engine = build_engine(model, settings.engine, settings.precision)
-        cost = engine.conversion
-        log.info("engine %s on %s: ready in %.1f s%s", engine.label, engine.device, cost.seconds,
-                 " (artifacts from the cache)" if cost.from_cache else "")
-        return engine
 
-    return build_pool_app(settings, chapter=chapter, prepare_model=prepare, **pool_hooks)
+def build_app(settings: EngineSettings) -> FastAPI:
+    set_threads(settings.torch_threads)
+    loaded = load_model(settings.weights, settings.preset, choose_device(settings.device), settings.torch_dtype)
+    engine = engine_for(settings, loaded)
+    pool = build_pool(settings, loaded.config, engine.dtype, engine.device)
+    runner = PooledBatchRunner(engine, pool, loaded.tokenizer.pad_id, settings.prefill)
+    batcher = DynamicBatcher(runner, settings.batcher_config())
+    backend = PooledBackend(
+        batcher, runner, admission_for(settings, batcher, pool),
+        CpuFallback(loaded.model, settings.fallback_slots) if settings.fallback_slots else None,
+        {"chapter": "ch05", "model": loaded.source, "prefill": settings.prefill, "engine": engine.describe()},
+    )
+    return create_app(
+        title="ch05 inference engine",
+        limits=settings.limits(loaded.config.vocab_size, loaded.config.n_ctx),
+        tokenizer=loaded.tokenizer,
+        backend=backend,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

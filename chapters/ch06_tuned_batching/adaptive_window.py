@@ -35,11 +35,14 @@ class ArrivalRate:
         self.last_arrival: float | None = None
 
     def observe(self, now: float) -> None:
+        """Record an arrival at ``now``: from the second one on, update the mean gap and the latest gap."""
+        # EXERCISE ch06.2 BEGIN "the arrival rate: a smoothed gap and the latest one"
         if self.last_arrival is not None:
             gap = max(0.0, now - self.last_arrival)
             self.mean_gap_s = gap if self.mean_gap_s is None else self.mean_gap_s + self.smoothing * (gap - self.mean_gap_s)
             self.last_gap_s = gap
         self.last_arrival = now
+        # EXERCISE ch06.2 END
 
     def expected_within(self, window_s: float, now: float) -> float:
         """Arrivals expected in the next ``window_s`` seconds; 0 until two arrivals were seen.
@@ -49,10 +52,12 @@ class ArrivalRate:
         the rate cannot be higher than one arrival per silence, so a burst long past does not keep
         the window wide.
         """
+        # EXERCISE ch06.2 BEGIN "the arrival rate: a smoothed gap and the latest one"
         if self.mean_gap_s is None or self.last_gap_s is None or self.last_arrival is None:
             return 0.0
         gap = max(min(self.mean_gap_s, self.last_gap_s), now - self.last_arrival, 1e-9)
         return window_s / gap
+        # EXERCISE ch06.2 END
 
 
 class AdaptiveBatcher(DynamicBatcher):
@@ -71,8 +76,11 @@ class AdaptiveBatcher(DynamicBatcher):
         return future
 
     def window_s(self) -> float:
+        """The full ``config.window_s`` if at least one more arrival is expected within it, else ``min_window_s``."""
+        # EXERCISE ch06.1 BEGIN "the adaptive window rule"
         expected = self.arrivals.expected_within(self.config.window_s, self._clock.now())
         return self.config.window_s if expected >= 1.0 else self.min_window_s
+        # EXERCISE ch06.1 END
 
     def describe(self) -> dict:
         gap = self.arrivals.mean_gap_s

@@ -5,7 +5,7 @@ A request's life is chapter 5's (admission control, the KV pool, the engine). Tw
 - the batcher is :class:`~chapters.ch06_tuned_batching.adaptive_window.AdaptiveBatcher`: about 1 ms
   of waiting when no company is coming, the tuned window under load;
 - ``max_batch``, ``min_batch`` and ``window_ms`` come from ``tuned.json``, which the autotuner
-  (``python -m chapters.ch06_tuned_batching.autotune``) writes after sweeping them with the
+  (``python -m benchmarks.autotune``, a harness tool) writes after sweeping them with the
   benchmark harness. Flags and ``SFS_*`` variables still override the file.
 """
 
@@ -19,11 +19,13 @@ import uvicorn
 from fastapi import FastAPI
 from pydantic import Field
 
-from chapters.ch03_dynamic_batching.batcher import BatcherConfig, BatchRunner
-from chapters.ch05_inference_engine.server import EngineSettings
-from chapters.ch05_inference_engine.server import build_app as build_engine_app
+from chapters.ch02_fastapi_async.api import create_app
+from chapters.ch04_memory_pool.server import CpuFallback, PooledBackend, PooledBatchRunner, admission_for, build_pool
+from chapters.ch05_inference_engine.server import EngineSettings, engine_for
 from chapters.ch06_tuned_batching.adaptive_window import AdaptiveBatcher
+from shared.devices import choose_device, set_threads
 from shared.settings import parse_settings
+from shared.weights import LoadedModel, load_model
 
 log = logging.getLogger("chapters.ch06_tuned_batching")
 
@@ -42,20 +44,44 @@ class TunedSettings(EngineSettings):
 
 
 def apply_tuned_config(settings: TunedSettings) -> TunedSettings:
-    """Take the batcher's knobs from the tuned file, except those set by a flag or an environment variable."""
+    """Take the batcher's knobs from the tuned file, except those set by a flag or an environment variable.
+
+    The knobs are :data:`TUNED_FIELDS`, read from the file's ``"chosen"`` object; a knob the settings
+    were given explicitly (a flag or an ``SFS_*`` variable: it is in ``model_fields_set``) keeps its
+    value. ``tuned_config == "none"`` or a missing file: the settings unchanged. Returns a new object.
+    """
+    # EXERCISE ch06.3 BEGIN "the tuned file's knobs, unless a flag or an environment variable set them"
     path = Path(settings.tuned_config)
     if settings.tuned_config == "none" or not path.exists():
         return settings
     chosen = json.loads(path.read_text())["chosen"]
     updates = {name: chosen[name] for name in TUNED_FIELDS if name not in settings.model_fields_set}
     return settings.model_copy(update=updates)
+    # EXERCISE ch06.3 END
+
+
+def build_backend(settings: TunedSettings, loaded: LoadedModel) -> PooledBackend:
+    """Chapter 5's parts, with the adaptive batcher: engine, pool, runner, batcher, admission, fallback."""
+    engine = engine_for(settings, loaded)
+    pool = build_pool(settings, loaded.config, engine.dtype, engine.device)
+    runner = PooledBatchRunner(engine, pool, loaded.tokenizer.pad_id, settings.prefill)
+    batcher = AdaptiveBatcher(runner, settings.batcher_config(), min_window_s=settings.min_window_ms / 1e3)
+    return PooledBackend(
+        batcher, runner, admission_for(settings, batcher, pool),
+        CpuFallback(loaded.model, settings.fallback_slots) if settings.fallback_slots else None,
+        {"chapter": "ch06", "model": loaded.source, "prefill": settings.prefill, "engine": engine.describe()},
+    )
 
 
 def build_app(settings: TunedSettings) -> FastAPI:
-    def make_batcher(run_batch: BatchRunner, config: BatcherConfig) -> AdaptiveBatcher:
-        return AdaptiveBatcher(run_batch, config, min_window_s=settings.min_window_ms / 1e3)
-
-    return build_engine_app(settings, chapter="ch06", make_batcher=make_batcher)
+    set_threads(settings.torch_threads)
+    loaded = load_model(settings.weights, settings.preset, choose_device(settings.device), settings.torch_dtype)
+    return create_app(
+        title="ch06 tuned batching",
+        limits=settings.limits(loaded.config.vocab_size, loaded.config.n_ctx),
+        tokenizer=loaded.tokenizer,
+        backend=build_backend(settings, loaded),
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

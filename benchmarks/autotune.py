@@ -1,4 +1,4 @@
-"""Sweep the batcher's knobs with the benchmark harness and keep the best: ``python -m chapters.ch06_tuned_batching.autotune``.
+"""Sweep the batcher's knobs with the benchmark harness and keep the best: ``python -m benchmarks.autotune``.
 
 Every combination of ``--max-batch`` x ``--min-batch`` x ``--window-ms`` runs as chapter 6's real
 server under the harness's real load (the profile's cores, threads and model). The objective,
@@ -99,7 +99,7 @@ def write_choice(path: Path, chosen: Trial, trials: list[Trial], args: argparse.
         "measured": {k: v for k, v in asdict(chosen).items() if k != "candidate"},
         "trials": [{**asdict(t.candidate), **{k: v for k, v in asdict(t).items() if k != "candidate"}} for t in trials],
         "environment": environment,
-        "reproduce": "python -m chapters.ch06_tuned_batching.autotune " + " ".join(args.argv),
+        "reproduce": "python -m benchmarks.autotune " + " ".join(args.argv),
     }
     path.write_text(json.dumps(document, indent=2) + "\n")
 
@@ -116,7 +116,7 @@ def show(document: dict) -> str:
         f"Objective: {document['objective']}. Profile `{document['profile']}` at {document['levels']} users; "
         f"{env.get('cpu_model')}, {env.get('logical_cores')} cores, torch {env.get('torch')}, commit "
         f"{(env.get('git_commit') or '?')[:10]}{' (dirty)' if env.get('git_dirty') else ''}.",
-        f"Reproduce: `{document['reproduce']}`; shown by `python -m chapters.ch06_tuned_batching.autotune --show`.",
+        f"Reproduce: `{document['reproduce']}`; shown by `python -m benchmarks.autotune --show`.",
     ])
 
 
@@ -129,7 +129,7 @@ def _floats(text: str) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m chapters.ch06_tuned_batching.autotune", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.autotune", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", choices=PROFILE_NAMES, default="cpu")
     parser.add_argument("--max-batch", type=_ints, default=[32, 64])

@@ -1,4 +1,4 @@
-"""``python -m chapters.ch05_inference_engine.tradeoffs``: what each engine and precision costs and buys, here.
+"""``python -m benchmarks.tradeoffs``: what each engine and precision costs and buys, here.
 
 For every engine x precision that can run on this machine (the others are listed with the reason):
 
@@ -12,7 +12,10 @@ For every engine x precision that can run on this machine (the others are listed
   16/32/64/128-token mix) generated together, median of runs;
 - **conversion cost**: seconds and artifact bytes (from the engine cache or fresh).
 
-Generation goes through chapter 3's batched generation with chapter 4's KV pool, the server's path.
+Generation goes through chapter 3's step loop with chapter 4's KV pool, the server's path; the
+logits are taken through the same loop, teacher-forced. Chapter 5's ``--precision auto`` measures
+its candidates at start-up with a smaller probe of the same kind (``engines.measure_candidates``);
+this table is the full measurement the lesson discusses.
 Every figure printed comes from this run; the JSON records the environment beside them.
 """
 
@@ -33,22 +36,15 @@ import torch
 
 from benchmarks.environment import cpu_model, git_state
 from benchmarks.workload import DEFAULT_SEED, PromptStream, get_workload
-from chapters.ch03_dynamic_batching.batched_generation import generate_batch, left_pad
+from chapters.ch03_dynamic_batching.batched_generation import StaticBatch, generate_batch
+from chapters.ch03_dynamic_batching.step_loop import run_until_done
 from chapters.ch04_memory_pool.memory_pool import KVMemoryPool
-from chapters.ch05_inference_engine.engines import (
-    ACCURACY_TOLERANCE,
-    ENGINES,
-    MIN_SPEEDUP,
-    PRECISIONS,
-    PROJECT_ROOT,
-    Engine,
-    EngineUnavailable,
-    build_engine,
-    unavailable_reason,
-)
+from chapters.ch05_inference_engine.engine import ENGINES, PRECISIONS, Engine, EngineUnavailable
+from chapters.ch05_inference_engine.engines import ACCURACY_TOLERANCE, MIN_SPEEDUP, build_engine, pick, unavailable_reason
 from shared.corpus import HELD_OUT_PAIRS, evaluate, sentence
 from shared.devices import choose_device, set_threads, synchronize
 from shared.model import GPT, DynamicKVCache
+from shared.paths import REPO_ROOT as PROJECT_ROOT
 from shared.tokenizer import PAD_ID, ByteTokenizer
 from shared.weights import load_model
 
@@ -107,19 +103,27 @@ class PoolForEngine:
         return [row.output_ids for row in rows]
 
 
+class TeacherForced(StaticBatch):
+    """Chapter 3's request-level batch, fed ``forced`` tokens instead of its own argmax; keeps every step's logits."""
+
+    def __init__(self, engine: Engine, prompts: list[list[int]], forced: list[list[int]]) -> None:
+        steps = len(forced[0])
+        super().__init__(engine.config, engine.device, prompts, [steps] * len(prompts), PAD_ID,
+                         DynamicKVCache(engine.config.n_layer), prefill="padded")
+        self.forced = torch.tensor(forced, device=engine.device)
+        self.logits: list[torch.Tensor] = []
+
+    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+        self.logits.append(logits.float().cpu())
+        return self.forced[:, self.taken]
+
+
 @torch.no_grad()
 def teacher_forced_logits(engine: Engine, prompts: list[list[int]], forced: list[list[int]]) -> torch.Tensor:
-    """Logits (steps, B, V) of ``engine`` fed ``forced`` tokens after the prompts (prefill, then decode)."""
-    input_ids, mask, positions = left_pad(prompts, PAD_ID, engine.device)
-    forced_ids = torch.tensor(forced, device=engine.device)
-    cache = DynamicKVCache(engine.config.n_layer)
-    steps = []
-    for step in range(forced_ids.shape[1]):
-        steps.append(engine(input_ids, position_ids=positions, attention_mask=mask, cache=cache)[:, -1, :].float().cpu())
-        input_ids = forced_ids[:, step : step + 1]
-        positions = positions[:, -1:] + 1
-        mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
-    return torch.stack(steps)
+    """Logits (steps, B, V) of ``engine`` fed ``forced`` tokens after the prompts, through the step loop."""
+    batch = TeacherForced(engine, prompts, forced)
+    run_until_done(batch, engine)
+    return torch.stack(batch.logits)
 
 
 def median_seconds(run, repeats: int) -> float:
@@ -165,7 +169,7 @@ def measure(
     row = Row(engine.name, engine.precision, True)
     prompts = agreement_prompts()
     pool = PoolForEngine(engine, tokens=max(args.batch, len(prompts)) * engine.config.n_ctx)
-    row.accuracy = evaluate(lambda ids: engine(ids), device=engine.device).accuracy
+    row.accuracy = evaluate(lambda ids: engine.prefill(ids, None, None, None)[:, None, :], device=engine.device).accuracy
     tokens = pool.generate(engine, prompts, NEW_TOKENS)
     reference = baseline.tokens if baseline else tokens
     same = sum(a == b for t, r in zip(tokens, reference) for a, b in zip(t, r))
@@ -264,7 +268,7 @@ def run(args: argparse.Namespace) -> dict:
         print(f"[ch05] {label}: done", file=sys.stderr, flush=True)
         del engine
     return {
-        "command": "python -m chapters.ch05_inference_engine.tradeoffs " + " ".join(sys.argv[1:]),
+        "command": "python -m benchmarks.tradeoffs " + " ".join(sys.argv[1:]),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "model": loaded.source,
         "config": {"new_tokens": NEW_TOKENS, "batch": args.batch, "latency_runs": args.latency_runs,
@@ -307,8 +311,8 @@ def markdown_table(result: dict) -> str:
     best = fastest_within_tolerance(rows)
     if best:
         lines += ["", (f"The auto rule's choice at batch {result['config']['batch']}: **{best['engine']}/{best['precision']}** "
-                       f"(within {100 * ACCURACY_TOLERANCE:.0f} points of fp32's task accuracy; a reduced precision must beat "
-                       f"fp32 eager, and another engine eager, by {MIN_SPEEDUP:.2f}x).")]
+                       f"(within {100 * ACCURACY_TOLERANCE:.0f} points of fp32's task accuracy, and faster than fp32 "
+                       f"eager by {MIN_SPEEDUP:.2f}x or more).")]
     lines += ["", "Conversion notes:"]
     lines += [f"- {r['engine']}/{r['precision']}: " + "; ".join(r["notes"]) for r in rows if r["available"] and r["notes"]]
     env = result["environment"]
@@ -319,30 +323,13 @@ def markdown_table(result: dict) -> str:
 
 
 def fastest_within_tolerance(rows: list[dict]) -> dict | None:
-    """The rule ``--engine auto --precision auto`` follows, applied to a table's throughput column.
-
-    Eligible: rows whose task accuracy is within ``ACCURACY_TOLERANCE`` of fp32 eager's. First the
-    precision: the fastest eligible eager row, if it beats fp32 eager by ``MIN_SPEEDUP`` (else fp32
-    eager, exact). Then the engine: the fastest eligible row of another engine replaces that only
-    if it beats it by ``MIN_SPEEDUP`` too, because another engine costs a conversion (an export, or
-    a compilation at every start) and a second runtime to trust. None without an fp32 eager row.
-    """
-    def eligible(r: dict) -> bool:
-        return r["available"] and r["accuracy"] >= base["accuracy"] - ACCURACY_TOLERANCE
-
-    def fastest(candidates: list[dict]) -> dict | None:
-        return max(candidates, key=lambda r: r["throughput_tok_s"], default=None)
-
-    def pays_over(candidate: dict | None, current: dict) -> bool:
-        return candidate is not None and candidate["throughput_tok_s"] >= MIN_SPEEDUP * current["throughput_tok_s"]
-
-    base = next((r for r in rows if r["engine"] == "eager" and r["precision"] == "fp32" and r["available"]), None)
-    if base is None:
+    """The row chapter 5's rule (:func:`~chapters.ch05_inference_engine.engines.pick`) chooses from this
+    table, its throughput at batch 32 standing for the rule's probe. None without an fp32 eager row."""
+    available = [r for r in rows if r["available"]]
+    if not any((r["engine"], r["precision"]) == ("eager", "fp32") for r in available):
         return None
-    eager = fastest([r for r in rows if r["engine"] == "eager" and eligible(r)])
-    choice = eager if pays_over(eager, base) else base
-    other = fastest([r for r in rows if r["engine"] != "eager" and eligible(r)])
-    return other if pays_over(other, choice) else choice
+    chosen = pick([{**r, "requests_per_s": r["throughput_tok_s"]} for r in available])
+    return next(r for r in available if (r["engine"], r["precision"]) == chosen)
 
 
 def save(result: dict, directory: Path) -> Path:
@@ -356,7 +343,7 @@ def save(result: dict, directory: Path) -> Path:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m chapters.ch05_inference_engine.tradeoffs", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tradeoffs", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
     parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))

@@ -1,0 +1,137 @@
+"""bf16 matrix products on the CPU, from the row count where they pay: kernel autotuning by hand.
+
+A CPU with AVX512-BF16 or AMX multiplies bf16 in hardware at up to twice fp32's rate, but each call
+has a fixed cost; for a few rows (a decode step at batch 1) fp32 is faster. So each block's linear
+layers measure, once at start-up, where bf16 starts to win, and use it from there on. Everything
+else (LayerNorm, softmax, attention, the KV cache) stays fp32.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from shared.model import GPT
+
+NEVER = 2**62  # a row count no call reaches: bf16 never used
+
+
+class Bf16MatmulLinear(nn.Module):
+    """A linear layer whose large calls multiply in bf16 and whose small ones stay fp32.
+
+    Input and output are fp32. A call with at least ``min_rows`` rows (tokens) rounds its input to
+    bf16 and multiplies by a bf16 copy of the weights (the CPU's bf16 dot-product instructions,
+    accumulating in fp32); a smaller call uses the fp32 weights, because there the bf16 kernel's
+    fixed cost is larger than the arithmetic it saves. This is what CPU inference stacks do with
+    bf16 (autocast, oneDNN): matrix products in bf16, LayerNorm, softmax and the KV cache in fp32.
+    """
+
+    def __init__(self, linear: nn.Linear, min_rows: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.min_rows = linear.in_features, linear.out_features, min_rows
+        self.weight = nn.Parameter(linear.weight.detach().float(), requires_grad=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+        self.register_buffer("weight_bf16", self.weight.detach().to(torch.bfloat16))
+        self.register_buffer("bias_bf16", None if self.bias is None else self.bias.detach().to(torch.bfloat16))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # EXERCISE ch05.3 BEGIN "bf16 from min_rows rows, exact fp32 below"
+        if x.numel() >= self.min_rows * self.in_features:
+            return _bf16_linear(x, self.weight_bf16, self.bias_bf16)
+        return F.linear(x, self.weight, self.bias)
+        # EXERCISE ch05.3 END
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, bf16 from {self.min_rows} rows"
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX) and oneDNN will use it.
+
+    Without those instructions bf16 is emulated and slower than fp32, so it would not pay.
+    """
+    onednn_bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)  # private: absent in some builds
+    if not (torch.backends.mkldnn.is_available() and onednn_bf16 is not None and onednn_bf16()):
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def bf16_crossover_rows(
+    linear: nn.Linear, candidates: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), repeats: int = 30
+) -> tuple[int | None, dict[int, tuple[float, float]]]:
+    """Measure where bf16 starts to beat fp32 for this layer's shape: kernel autotuning by hand.
+
+    For each candidate row count, time the fp32 and the bf16 product (median of ``repeats``) and
+    pick with :func:`crossover_from_timings`. Returns the crossover and the timings in
+    microseconds, ``{rows: (fp32, bf16)}``, which the conversion report keeps.
+    """
+    weight = linear.weight.detach().float()
+    bias = None if linear.bias is None else linear.bias.detach().float()
+    weight16, bias16 = weight.to(torch.bfloat16), None if bias is None else bias.to(torch.bfloat16)
+    timings: dict[int, tuple[float, float]] = {}
+    with torch.no_grad():
+        for rows in candidates:
+            x = torch.randn(rows, linear.in_features)
+            fp32 = _median_us(partial(F.linear, x, weight, bias), repeats)
+            bf16 = _median_us(partial(_bf16_linear, x, weight16, bias16), repeats)
+            timings[rows] = (fp32, bf16)
+    return crossover_from_timings(timings), timings
+
+
+def crossover_from_timings(timings: dict[int, tuple[float, float]]) -> int | None:
+    """The smallest row count from which bf16 (second figure) is faster at every larger measured
+    count (past the largest, bf16 only gets better: more arithmetic for the same fixed cost);
+    None when bf16 loses even at the largest count (a CPU that emulates bf16)."""
+    # EXERCISE ch05.1 BEGIN "the bf16 crossover: the smallest row count from which bf16 wins at every larger one"
+    crossover = None
+    for rows in sorted(timings, reverse=True):
+        fp32, bf16 = timings[rows]
+        if bf16 >= fp32:
+            break
+        crossover = rows
+    return crossover
+    # EXERCISE ch05.1 END
+
+
+def _bf16_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return F.linear(x.to(torch.bfloat16), weight, bias).float()
+
+
+def _median_us(call, repeats: int) -> float:
+    call()  # the first call pays oneDNN's one-off setup for this shape
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        call()
+        samples.append((time.perf_counter() - started) * 1e6)
+    return sorted(samples)[len(samples) // 2]
+
+
+def with_bf16_matmuls(model: GPT, min_rows: int | None = None) -> GPT:
+    """``model`` (changed in place) with every transformer-block linear layer a :class:`Bf16MatmulLinear`.
+
+    ``min_rows=None`` measures the crossover on the widest layer (:func:`bf16_crossover_rows`) and
+    records it on the model as ``bf16_tuning``; where bf16 never won, every product stays fp32 (and
+    the notes say so). The embedding and the output projection tied to it stay fp32: the first is
+    a lookup, the second decides the argmax.
+    """
+    timings: dict[int, tuple[float, float]] = {}
+    if min_rows is None:
+        measured, timings = bf16_crossover_rows(model.h[0].mlp.c_fc)
+        min_rows = measured if measured is not None else NEVER
+    for block in model.h:
+        for parent, name in ((block.attn, "c_attn"), (block.attn, "c_proj"), (block.mlp, "c_fc"), (block.mlp, "c_proj")):
+            setattr(parent, name, Bf16MatmulLinear(getattr(parent, name), min_rows))
+    model.bf16_tuning = {"min_rows": min_rows, "timings_us": timings}
+    return model.eval()
+
+
