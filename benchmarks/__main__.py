@@ -2,6 +2,7 @@
 
     run       one chapter:       --chapter ch02 --profile cpu [--workload long] [--server-arg=--workers=2 --label ch01-workers]
     climb     every chapter:     --profile auto [--chapters ch01,ch02] [--ceiling] [--save-reference]
+    openloop  offered rates swept upward (Poisson arrivals): --profile cpu --chapters ch02,ch06 [--rates 2,5,10]
     ceiling   the harness's own limit (Locust against an instant endpoint)
     report    redraw the table and plots from a results directory
     reference copy results/<profile>/ to reference/<profile>/ (committed) and redraw there
@@ -25,6 +26,16 @@ def _levels(text: str) -> list[int]:
     if not levels or levels[0] < 1:
         raise argparse.ArgumentTypeError("levels are positive user counts, e.g. 1,8,32")
     return levels
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = sorted({float(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError("rates are requests per second, e.g. 2,5,10") from None
+    if not rates or rates[0] <= 0:
+        raise argparse.ArgumentTypeError("rates are positive requests per second, e.g. 2,5,10")
+    return rates
 
 
 def _add_common(parser: argparse.ArgumentParser, *, profile_default: str = "auto") -> None:
@@ -52,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--label", help="name of this variant's results (default: the chapter id)")
     _add_common(run)
     _add_measuring(run)
+    run.add_argument("--no-calibration", action="store_true", help="skip the machine's calibration (a few seconds)")
 
     climb = commands.add_parser("climb", help="benchmark every chapter in order, then the table and plots")
     climb.add_argument("--chapters", type=lambda text: [c.strip() for c in text.split(",") if c.strip()])
@@ -60,6 +72,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="N interleaved rounds; each chapter keeps its median run (a shared machine's noise)")
     _add_common(climb)
     _add_measuring(climb)
+
+    openloop = commands.add_parser("openloop", help="offered rates swept upward per chapter (the knee)")
+    openloop.add_argument("--chapters", type=lambda text: [c.strip() for c in text.split(",") if c.strip()],
+                          help="default: every built chapter")
+    openloop.add_argument("--rates", type=_rates, help="override the profile's ladder of offered rates (requests/s)")
+    openloop.add_argument("--server-arg", action="append", default=[], metavar="FLAG")
+    openloop.add_argument("--label", help="name of a variant's results (one chapter only)")
+    _add_common(openloop)
+    openloop.add_argument("--workload", choices=sorted(WORKLOADS), default="default")
+    openloop.add_argument("--weights", help="override the profile's --weights")
+    openloop.add_argument("--save-reference", action="store_true", help="also copy the results to benchmarks/reference/<profile>/openloop/")
 
     ceiling = commands.add_parser("ceiling", help="the load generator's own ceiling against an instant endpoint")
     ceiling.add_argument("--save-reference", action="store_true")
@@ -107,7 +130,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     profile = get_profile(args.profile)
     result, path = run_chapter(
         args.chapter, profile, workload=args.workload, extra_server_args=args.server_arg, label=args.label,
-        out_dir=args.out, levels=args.levels, weights=args.weights,
+        out_dir=args.out, levels=args.levels, weights=args.weights, calibrate=not args.no_calibration,
     )
     _print_report(path.parent, args.workload)
     if args.save_reference:
@@ -138,6 +161,27 @@ def cmd_climb(args: argparse.Namespace) -> int:
         print(f"FAILED {chapter}: {error[:500]}", file=sys.stderr)
     if args.save_reference:
         _save_reference([*saved, *outcome.written.values()], profile.name)
+    return 1 if outcome.failed else 0
+
+
+def cmd_openloop(args: argparse.Namespace) -> int:
+    from benchmarks.harness import open_loop_climb, results_dir
+
+    if args.label and (not args.chapters or len(args.chapters) != 1):
+        print("--label names one chapter's variant: give exactly one --chapters", file=sys.stderr)
+        return 2
+    profile = get_profile(args.profile)
+    began = time.monotonic()
+    outcome = open_loop_climb(
+        profile, chapters=args.chapters, rates=args.rates, workload=args.workload,
+        extra_server_args=args.server_arg, label=args.label, out_dir=args.out, weights=args.weights,
+    )
+    print(f"open-loop sweep finished in {time.monotonic() - began:.0f} s")
+    _print_report(results_dir(profile, args.out), args.workload)
+    for chapter, error in outcome.failed.items():
+        print(f"FAILED {chapter}: {error[:500]}", file=sys.stderr)
+    if args.save_reference:
+        _save_reference(list(outcome.written.values()), profile.name)
     return 1 if outcome.failed else 0
 
 
@@ -189,7 +233,7 @@ def cmd_readme(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {
-    "run": cmd_run, "climb": cmd_climb, "ceiling": cmd_ceiling,
+    "run": cmd_run, "climb": cmd_climb, "openloop": cmd_openloop, "ceiling": cmd_ceiling,
     "report": cmd_report, "reference": cmd_reference, "readme": cmd_readme,
 }
 

@@ -9,9 +9,11 @@ from importlib import metadata
 from pathlib import Path
 
 import psutil
+import torch
 
 from benchmarks.profiles import Profile
 from benchmarks.results import REPO_ROOT, Environment
+from shared.devices import processor_name
 
 
 def _git(*args: str) -> str | None:
@@ -30,12 +32,8 @@ def git_state() -> tuple[str | None, bool | None]:
 
 
 def cpu_model() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text(errors="replace").splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+    """The CPU's model name (the same words the engine cache is keyed by)."""
+    return processor_name(torch.device("cpu"))
 
 
 def _version(package: str) -> str | None:

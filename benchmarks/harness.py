@@ -8,8 +8,12 @@ the cores of the server and of the load generator, the workload and its seed.
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import shlex
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -21,18 +25,25 @@ import requests
 
 from benchmarks.article import ARTICLE_CHAPTERS
 from benchmarks.environment import collect_environment
-from benchmarks.loadgen import LevelPlan, run_level
+from benchmarks.calibration import model_flags
+from benchmarks.loadgen import LevelPlan, OpenLevelPlan, run_level, run_open_level
 from benchmarks.profiles import Profile
 from benchmarks.results import (
+    REPO_ROOT,
     RESULTS_ROOT,
     BenchmarkResult,
+    Calibration,
     LevelResult,
+    OpenLoopConfig,
+    OpenLoopLevel,
+    OpenLoopResult,
     RunConfig,
     ServerRun,
     load_result,
     save_result,
 )
-from benchmarks.server_process import running_server
+from benchmarks.server_process import pin_to_cores, running_server
+from benchmarks.server_stats import detect_source
 from benchmarks.workload import (
     DEFAULT_SEED,
     PromptStream,
@@ -111,6 +122,39 @@ def warm_up(url: str, workload: Workload, count: int, vocab_size: int, timeout_s
             list(pool.map(one, rest))
 
 
+CALIBRATION_TIMEOUT_S = 180.0
+
+
+def run_calibration(
+    profile: Profile, server_cores: list[int] | None, weights: str | None = None, progress: Progress = print
+) -> Calibration | None:
+    """The machine's calibration (:mod:`benchmarks.calibration`) in a subprocess with the server's cores,
+    thread settings and model flags; ``None`` (with a note) when it fails: the run's figures still count."""
+    flags = model_flags(server_args_for(profile, weights=weights))
+    command = [sys.executable, "-m", "benchmarks.calibration", *(f"--{k.replace('_', '-')}={v}" for k, v in flags.items())]
+    try:
+        done = subprocess.run(
+            command, cwd=REPO_ROOT, env={**os.environ, **profile.thread_env()}, capture_output=True, text=True,
+            timeout=CALIBRATION_TIMEOUT_S, preexec_fn=pin_to_cores(server_cores),
+        )
+        if done.returncode != 0:
+            raise RuntimeError(done.stderr[-1500:])
+        calibration = Calibration.model_validate(json.loads(done.stdout.strip().splitlines()[-1]))
+    except (OSError, subprocess.TimeoutExpired, RuntimeError, ValueError) as exc:
+        progress(f"calibration failed (the run goes on without it): {type(exc).__name__}: {str(exc)[:500]}")
+        return None
+    progress(f"calibration: {describe_calibration(calibration)} ({calibration.seconds:.1f} s)")
+    return calibration
+
+
+def describe_calibration(calibration: Calibration) -> str:
+    def rate(values: dict, unit: str) -> str:
+        return ", ".join(f"{'-' if v is None else f'{v:.1f}'} {unit} at {k}" for k, v in values.items())
+
+    return (f"fp32 {rate(calibration.fp32_gflops, 'GFLOP/s')}; bf16 {rate(calibration.bf16_gflops, 'GFLOP/s')}; "
+            f"engine {rate(calibration.engine_rps, 'req/s')}")
+
+
 def _percent(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}%"
 
@@ -125,6 +169,9 @@ def describe_level(label: str, level: LevelResult) -> str:
         f"server CPU {_percent(level.server_cpu_percent)}  Locust CPU {_percent(level.loadgen_cpu_percent)}  "
         f"({level.window_s:.1f} s, {level.latency_sample} measured)"
     )
+    series = level.server_series
+    if series is not None and series.batches:
+        line += f"  mean batch {series.requests / series.batches:.1f} (largest {max(map(int, series.batch_sizes))})"
     waits = {"server": level.server_cpu_wait_percent, "Locust": level.loadgen_cpu_wait_percent}
     busy_machine = {name: wait for name, wait in waits.items() if (wait or 0) > 10}
     if busy_machine:  # other processes took the cores: say so next to the figures they lowered
@@ -143,9 +190,12 @@ def run_chapter(
     levels: Sequence[int] | None = None,
     weights: str | None = None,
     seed: int = DEFAULT_SEED,
+    calibrate: bool = True,
     progress: Progress = print,
 ) -> tuple[BenchmarkResult, Path]:
     """Benchmark one chapter on ``profile``; returns the validated result and the JSON file it was written to.
+
+    ``calibrate``: measure the machine first (:mod:`benchmarks.calibration`, a few seconds) and keep it in the result.
 
     The server gets the profile's cores, thread settings and model flags, then ``extra_server_args``
     (a variant such as ``--workers=2``, which should then get its own ``label``).
@@ -160,6 +210,7 @@ def run_chapter(
     work_dir = directory / "runs" / (label if chosen_workload.name == "default" else f"{label}-{chosen_workload.name}")
     work_dir.mkdir(parents=True, exist_ok=True)
     started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    calibration = run_calibration(profile, server_cores, weights, progress) if calibrate else None
     progress(f"{label} [{profile.name}, {chosen_workload.name}]: starting {module_for(chapter)} {' '.join(args)}")
 
     launched = time.monotonic()
@@ -169,6 +220,7 @@ def run_chapter(
         startup_s = time.monotonic() - launched
         warm_up(server.url, chosen_workload, profile.warmup_requests, profile.vocab_size, profile.request_timeout_s)
         warmup_s = time.monotonic() - launched - startup_s
+        stats_source = detect_source(server.url)
         level_results = []
         for users in chosen_levels:
             plan = LevelPlan(
@@ -176,7 +228,8 @@ def run_chapter(
                 target_requests=profile.target_requests, workload=chosen_workload, seed=seed,
                 vocab_size=profile.vocab_size, request_timeout_s=profile.request_timeout_s,
             )
-            level = run_level(server.url, plan, server_pid=server.pid, loadgen_cores=loadgen_cores, work_dir=work_dir)
+            level = run_level(server.url, plan, server_pid=server.pid, loadgen_cores=loadgen_cores, work_dir=work_dir,
+                              stats_source=stats_source)
             level_results.append(level)
             progress(describe_level(label, level))
         command = server.command
@@ -198,10 +251,160 @@ def run_chapter(
         ),
         server=ServerRun(startup_s=startup_s, warmup_s=warmup_s, exit_code=exit_code),
         levels=level_results,
+        calibration=calibration,
     )
     path = save_result(result, directory)
     progress(f"{label}: wrote {path}")
     return result, path
+
+
+# --------------------------------------------------------------------------------------------
+# The open loop: offered rates swept upward
+# --------------------------------------------------------------------------------------------
+
+
+def sweep_should_stop(level: OpenLoopLevel, stop_p99_ms: float, stop_error_share: float) -> str | None:
+    """Why the sweep ends after ``level`` (its P99 or its failed share past the profile's bounds), else None."""
+    if level.error_share > stop_error_share:
+        return f"{level.error_share:.0%} of the arrivals at {level.offered_rps:g}/s failed (bound {stop_error_share:.0%})"
+    if level.latency_ms is None:
+        return f"no successful request at {level.offered_rps:g}/s"
+    if level.latency_ms.p99 > stop_p99_ms:
+        return f"P99 {level.latency_ms.p99:.0f} ms at {level.offered_rps:g}/s exceeds {stop_p99_ms:.0f} ms"
+    return None
+
+
+def describe_open_level(label: str, level: OpenLoopLevel) -> str:
+    latency = level.latency_ms
+    p50, p99 = (f"{latency.p50:.0f}", f"{latency.p99:.0f}") if latency else ("-", "-")
+    return (
+        f"  {label} offered {level.offered_rps:6.1f}/s: achieved {level.qps:6.1f}/s goodput {level.goodput_rps:6.1f}/s  "
+        f"P50 {p50} ms  P99 {p99} ms  failed {level.requests_failed}/{level.arrivals} (dropped {level.dropped}, "
+        f"unanswered {level.unfinished})  in flight <= {level.max_outstanding_seen}  "
+        f"server CPU {_percent(level.server_cpu_percent)}  Locust CPU {_percent(level.loadgen_cpu_percent)}"
+    )
+
+
+def open_loop_reproduce(chapter: str, profile: Profile, workload: Workload, rates: Sequence[float] | None,
+                        weights: str | None, extra_args: Sequence[str], label: str) -> str:
+    parts = ["python", "-m", "benchmarks", "openloop", "--chapters", chapter, "--profile", profile.name]
+    if workload.name != "default":
+        parts += ["--workload", workload.name]
+    if rates is not None:
+        parts += ["--rates", ",".join(f"{r:g}" for r in rates)]
+    if weights is not None:
+        parts += ["--weights", weights]
+    parts += [f"--server-arg={arg}" for arg in extra_args]
+    if label != chapter:
+        parts += ["--label", label]
+    return shlex.join(parts)
+
+
+def run_open_loop(
+    chapter: str,
+    profile: Profile,
+    *,
+    rates: Sequence[float] | None = None,
+    workload: str = "default",
+    extra_server_args: Sequence[str] = (),
+    label: str | None = None,
+    out_dir: Path | None = None,
+    weights: str | None = None,
+    seed: int = DEFAULT_SEED,
+    calibrate: bool = True,
+    progress: Progress = print,
+) -> tuple[OpenLoopResult, Path]:
+    """Sweep ``chapter`` with Poisson arrivals at each offered rate of the profile (or ``rates``), upward,
+    on one server; stop after the first rate that breaks the profile's bounds. Writes
+    ``<out>/openloop/<label>.json``; returns the result and its path."""
+    settings = profile.open_loop
+    if settings is None:
+        raise ValueError(f"the {profile.name!r} profile has no open-loop settings")
+    label = label or chapter
+    chosen_workload = get_workload(workload)
+    ladder = sorted(float(r) for r in (rates if rates is not None else settings.rates))
+    if not ladder or ladder[0] <= 0:
+        raise ValueError(f"offered rates must be positive, got {ladder}")
+    directory = results_dir(profile, out_dir)
+    server_cores, loadgen_cores = profile.core_plan()
+    environment = collect_environment(profile, server_cores, loadgen_cores)
+    args = server_args_for(profile, extra_server_args, weights)
+    work_dir = directory / "runs" / "openloop" / (label if chosen_workload.name == "default" else f"{label}-{chosen_workload.name}")
+    work_dir.mkdir(parents=True, exist_ok=True)
+    started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    calibration = run_calibration(profile, server_cores, weights, progress) if calibrate else None
+    progress(f"{label} open loop [{profile.name}]: rates {', '.join(f'{r:g}' for r in ladder)}/s")
+    launched = time.monotonic()
+    stopped = None
+    with running_server(
+        chapter, args, env=profile.server_env(), cpu_cores=server_cores, log_path=work_dir / "server.log"
+    ) as server:
+        startup_s = time.monotonic() - launched
+        warm_up(server.url, chosen_workload, profile.warmup_requests, profile.vocab_size, profile.request_timeout_s)
+        warmup_s = time.monotonic() - launched - startup_s
+        stats_source = detect_source(server.url)
+        levels = []
+        for rate in ladder:
+            plan = OpenLevelPlan(
+                rate=rate, lead_in_s=settings.lead_in_s, window_s=settings.window_s(rate), drain_s=settings.drain_s,
+                max_outstanding=settings.max_outstanding, slo_ms=settings.slo_ms, workload=chosen_workload,
+                seed=seed, vocab_size=profile.vocab_size, request_timeout_s=profile.request_timeout_s,
+            )
+            level = run_open_level(server.url, plan, server_pid=server.pid, loadgen_cores=loadgen_cores,
+                                   work_dir=work_dir, stats_source=stats_source)
+            levels.append(level)
+            progress(describe_open_level(label, level))
+            stopped = sweep_should_stop(level, settings.stop_p99_ms, settings.stop_error_share)
+            if stopped is not None:
+                progress(f"  {label}: sweep stopped: {stopped}")
+                break
+        command = server.command
+    result = OpenLoopResult(
+        chapter=chapter, label=label, started_at=started_at,
+        finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        environment=environment,
+        config=OpenLoopConfig(
+            profile=profile.name, workload=chosen_workload.name, max_new_tokens=chosen_workload.max_new_tokens,
+            prompt_lengths=list(chosen_workload.prompt_lengths), seed=seed, rates=ladder,
+            lead_in_s=settings.lead_in_s, min_level_s=settings.min_level_s, max_level_s=settings.max_level_s,
+            target_requests=settings.target_requests, drain_s=settings.drain_s,
+            max_outstanding=settings.max_outstanding, slo_ms=settings.slo_ms, stop_p99_ms=settings.stop_p99_ms,
+            stop_error_share=settings.stop_error_share, server_args=args, server_command=command,
+            reproduce=open_loop_reproduce(chapter, profile, chosen_workload, rates, weights, extra_server_args, label),
+        ),
+        server=ServerRun(startup_s=startup_s, warmup_s=warmup_s, exit_code=server.process.returncode),
+        levels=levels,
+        stopped=stopped,
+        calibration=calibration,
+    )
+    path = save_result(result, directory)
+    progress(f"{label}: wrote {path}")
+    return result, path
+
+
+def open_loop_climb(
+    profile: Profile,
+    *,
+    chapters: Sequence[str] | None = None,
+    progress: Progress = print,
+    **options,
+) -> ClimbOutcome:
+    """:func:`run_open_loop` for every chapter (built ones), in order; a failing chapter is reported, the rest go on."""
+    outcome = ClimbOutcome()
+    for chapter in climb_order(chapters):
+        if not chapter_is_built(chapter):
+            outcome.skipped[chapter] = "not built yet"
+            continue
+        began = time.monotonic()
+        try:
+            _, path = run_open_loop(chapter, profile, progress=progress, **options)
+        except Exception as exc:  # noqa: BLE001 - one broken chapter must not hide the others' figures
+            outcome.failed[chapter] = f"{type(exc).__name__}: {exc}"
+            progress(f"{chapter}: FAILED: {outcome.failed[chapter][:2000]}")
+            continue
+        outcome.written[chapter] = path
+        progress(f"{chapter}: open loop done in {time.monotonic() - began:.0f} s")
+    return outcome
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The Locust workload: every simulated user sends inference requests back to back (a closed loop).
+"""The Locust workload: closed loop (``InferenceUser``, the default) or open loop (``OpenLoopUser``).
 
 Closed loop: a user sends its next request the moment the previous answer arrives (no think time),
 so the number of requests in flight is always the number of users, and "concurrency 32" means
@@ -21,8 +21,23 @@ Environment (all optional):
     SFS_BENCH_MIN_SECONDS      ... but never before this many seconds after the window opened
     SFS_BENCH_MAX_SECONDS      stop this many seconds after the window opened (0: only Locust's -t)
 
+Open loop (``OpenLoopUser``, named on Locust's command line, with ``-u 1``): requests *arrive* at a
+fixed offered rate, as a Poisson process (exponential gaps, seeded), whatever the server answers.
+The one user is only a clock: at each arrival it spawns a greenlet that sends the request and
+records its answer, so a slow answer never delays the next arrival (many closed-loop users with
+pacing would: each waits for its own answer). At most ``SFS_BENCH_MAX_OUTSTANDING`` requests are in
+flight; an arrival beyond that is *dropped* (recorded, counted as a failure), which bounds the load
+generator's memory and sockets when the server falls behind. After the last arrival the answers
+are awaited for ``SFS_BENCH_DRAIN_S``; the ones still missing are recorded as unfinished.
+
+    SFS_BENCH_OPEN_RATE        offered requests per second
+    SFS_BENCH_OPEN_SECONDS     how long arrivals go on (the harness adds its lead-in to the window)
+    SFS_BENCH_MAX_OUTSTANDING  requests in flight at most (default 256)
+    SFS_BENCH_DRAIN_S          how long to await the answers after the last arrival (default 10)
+
 Every response is checked (status 200, exactly max_new_tokens ids, ids inside the vocabulary);
 failures are reported to Locust with ``catch_response`` and counted by status code in the records.
+Each record also keeps the server's own ``timings_ms`` and the prompt's length.
 """
 
 from __future__ import annotations
@@ -30,6 +45,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import random
 import time
 
 import gevent
@@ -45,6 +61,10 @@ RECORDS_PATH = os.environ.get("SFS_BENCH_RECORDS")
 TARGET_REQUESTS = int(os.environ.get("SFS_BENCH_TARGET_REQUESTS", 0))
 MIN_SECONDS = float(os.environ.get("SFS_BENCH_MIN_SECONDS", 0))
 MAX_SECONDS = float(os.environ.get("SFS_BENCH_MAX_SECONDS", 0))
+OPEN_RATE = float(os.environ.get("SFS_BENCH_OPEN_RATE", 0))
+OPEN_SECONDS = float(os.environ.get("SFS_BENCH_OPEN_SECONDS", 0))
+MAX_OUTSTANDING = int(os.environ.get("SFS_BENCH_MAX_OUTSTANDING", 256))
+DRAIN_S = float(os.environ.get("SFS_BENCH_DRAIN_S", 10))
 
 
 class Run:
@@ -59,8 +79,14 @@ class Run:
     users_answered: set[int] = set()  # users whose first request has finished
     steady_at: float | None = None  # wall clock when the window opens
     stopping_at: float | None = None  # wall clock when the stop began: the window closes
-    # [start wall time, latency s, status, ok, output tokens, failure reason or None]
+    # [start wall time, latency s, status, ok, output tokens, failure reason or None,
+    #  the server's timings_ms or None, prompt tokens]
     requests: list[list] = []
+    # open loop only: arrival wall times of the requests dropped (too many in flight) or never answered
+    dropped_at: list[float] = []
+    unfinished_at: list[float] = []
+    first_arrival_at: float | None = None
+    max_outstanding_seen = 0
     measured_ok = 0  # successes finished inside the window: the sample so far
     stopped_by = "time_limit"  # or "request_target" when the sample was big enough before the time was up
 
@@ -84,27 +110,73 @@ class InferenceUser(FastHttpUser):
 
     @task
     def infer(self) -> None:
-        body = self.prompts.next_body()
-        started_wall, started = time.time(), time.perf_counter()
-        with self.client.post("/v1/inference", json=body, catch_response=True, name="/v1/inference") as response:
-            latency_s = time.perf_counter() - started
-            status = response.status_code or 0  # 0: no HTTP answer (refused, reset, timed out)
-            try:
-                payload = response.json() if status == 200 else None
-            except ValueError:
-                payload = None
-            reason = check_response(status, payload, WORKLOAD.max_new_tokens, VOCAB_SIZE)
-            if reason is None:
-                response.success()
-            else:
-                response.failure(reason)
-        tokens = len(payload["output_ids"]) if reason is None else 0
-        Run.requests.append([started_wall, latency_s, status, reason is None, tokens, reason])
-        if reason is None and Run.steady_at is not None:  # finished inside the window
-            Run.measured_ok += 1
+        send_and_record(self.client, self.prompts.next_body())
         if self.number not in Run.users_answered:
             Run.users_answered.add(self.number)
             Run.open_window_if_steady()
+
+
+def send_and_record(client, body: dict) -> None:
+    """Send one request, check its answer, append its record to ``Run.requests``."""
+    started_wall, started = time.time(), time.perf_counter()
+    with client.post("/v1/inference", json=body, catch_response=True, name="/v1/inference") as response:
+        latency_s = time.perf_counter() - started
+        status = response.status_code or 0  # 0: no HTTP answer (refused, reset, timed out)
+        try:
+            payload = response.json() if status == 200 else None
+        except ValueError:
+            payload = None
+        reason = check_response(status, payload, WORKLOAD.max_new_tokens, VOCAB_SIZE)
+        if reason is None:
+            response.success()
+        else:
+            response.failure(reason)
+    tokens = len(payload["output_ids"]) if reason is None else 0
+    timings = payload.get("timings_ms") if reason is None else None
+    timings = timings if isinstance(timings, dict) else None
+    Run.requests.append([started_wall, latency_s, status, reason is None, tokens, reason, timings, len(body["input_ids"])])
+    if reason is None and Run.steady_at is not None:  # finished inside the window
+        Run.measured_ok += 1
+
+
+class OpenLoopUser(FastHttpUser):
+    """The arrival clock of the open loop (run exactly one). See the module's docstring."""
+
+    network_timeout = TIMEOUT_S
+    connection_timeout = TIMEOUT_S
+    concurrency = MAX_OUTSTANDING  # the HTTP client's connection pool must not cap requests in flight below this
+
+    @task
+    def arrive(self) -> None:
+        if OPEN_RATE <= 0 or OPEN_SECONDS <= 0:
+            raise RuntimeError("OpenLoopUser needs SFS_BENCH_OPEN_RATE and SFS_BENCH_OPEN_SECONDS")
+        gaps = random.Random(SEED)  # the arrival times: the same for every chapter at a given rate
+        prompts = PromptStream(WORKLOAD, SEED, 0)
+        in_flight: dict[gevent.Greenlet, float] = {}  # greenlet -> its arrival time
+        began = time.time()
+        Run.first_arrival_at = Run.steady_at = began
+        next_at = began
+        while next_at < began + OPEN_SECONDS:
+            delay = next_at - time.time()
+            if delay > 0:
+                gevent.sleep(delay)  # an absolute schedule: a late wake-up does not shift later arrivals
+            body = prompts.next_body()
+            if len(in_flight) >= MAX_OUTSTANDING:
+                Run.dropped_at.append(next_at)
+            else:
+                greenlet = gevent.spawn(send_and_record, self.client, body)
+                in_flight[greenlet] = next_at
+                greenlet.link(lambda g: in_flight.pop(g, None))
+                Run.max_outstanding_seen = max(Run.max_outstanding_seen, len(in_flight))
+            next_at += gaps.expovariate(OPEN_RATE)
+        Run.stopping_at = time.time()
+        gevent.joinall(list(in_flight), timeout=DRAIN_S)
+        for greenlet, arrived in list(in_flight.items()):  # still unanswered: record, then stop waiting
+            Run.unfinished_at.append(arrived)
+            greenlet.kill(block=False)
+        Run.stopped_by = "time_limit"
+        self.environment.runner.quit()
+        gevent.sleep(60)  # quit() stops this greenlet; never reach a second round
 
 
 def _stop_when_measured(environment) -> None:
@@ -164,6 +236,11 @@ def _write_records(**_kwargs) -> None:
                 "stopping_at": Run.stopping_at,
                 "stopped_by": Run.stopped_by,
                 "requests": Run.requests,
+                "open_rate": OPEN_RATE or None,
+                "first_arrival_at": Run.first_arrival_at,
+                "dropped_at": Run.dropped_at,
+                "unfinished_at": Run.unfinished_at,
+                "max_outstanding_seen": Run.max_outstanding_seen,
             },
             handle,
         )

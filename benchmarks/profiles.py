@@ -11,6 +11,8 @@
            4-12 s a level: the six chapters fit one 10-minute run on a lent GPU.
 ``auto``   ``gpu`` where torch sees CUDA, else ``cpu``.
 
+Each profile also has its open-loop sweep (:class:`OpenLoopSettings`, ``python -m benchmarks openloop``).
+
 Fairness: every chapter of a profile runs with the same model flags, the same ``--torch-threads``
 and OMP/MKL/OpenBLAS thread variables, and (where ``pin_cores``) the same cores. Pinning puts the
 load generator on the last core and the server on the others, so the client never steals the
@@ -28,6 +30,31 @@ GPT2_VOCAB = 50257
 
 
 @dataclass(frozen=True)
+class OpenLoopSettings:
+    """The open-loop sweep of a profile: offered rates swept upward until the server gives way.
+
+    A rate's measured window lasts ``target_requests / rate`` seconds, kept within
+    ``[min_level_s, max_level_s]``, after a ``lead_in_s`` whose arrivals are sent but not measured.
+    A chapter's sweep stops after the first rate whose P99 exceeds ``stop_p99_ms`` or whose failed
+    share of arrivals exceeds ``stop_error_share``: the rates above would only measure a collapse.
+    """
+
+    rates: tuple[float, ...]  # offered requests per second, increasing
+    min_level_s: float
+    max_level_s: float
+    target_requests: int
+    lead_in_s: float
+    drain_s: float
+    max_outstanding: int  # requests in flight at most; an arrival beyond is dropped (a failure)
+    slo_ms: float  # goodput: successful requests answered within this
+    stop_p99_ms: float
+    stop_error_share: float
+
+    def window_s(self, rate: float) -> float:
+        return min(self.max_level_s, max(self.min_level_s, self.target_requests / rate))
+
+
+@dataclass(frozen=True)
 class Profile:
     name: str
     levels: tuple[int, ...]  # closed-loop users = requests in flight
@@ -42,6 +69,7 @@ class Profile:
     warmup_requests: int
     request_timeout_s: float = 120.0
     extra_env: tuple[tuple[str, str], ...] = ()  # more settings for every server, as SFS_* variables
+    open_loop: OpenLoopSettings | None = None  # the open-loop sweep (python -m benchmarks openloop)
 
     def thread_env(self) -> dict[str, str]:
         """Thread variables for the server: native libraries must not spread beyond the budget either."""
@@ -90,11 +118,22 @@ def build_profiles() -> dict[str, Profile]:
             name="smoke", levels=(1, 4), min_level_s=2.0, max_level_s=3.0, target_requests=10,
             model_args=("--weights=dummy", "--preset=tiny", "--device=cpu"), vocab_size=TINY_VOCAB,
             torch_threads=1, pin_cores=True, server_core_budget=1, warmup_requests=4,
+            open_loop=OpenLoopSettings(
+                rates=(2.0, 8.0), min_level_s=2.0, max_level_s=3.0, target_requests=10, lead_in_s=0.5,
+                drain_s=5.0, max_outstanding=64, slo_ms=2000.0, stop_p99_ms=10_000.0, stop_error_share=0.5,
+            ),
         ),
         "cpu": Profile(
             name="cpu", levels=(1, 8, 32, 64), min_level_s=6.0, max_level_s=25.0, target_requests=200,
             model_args=("--weights=default", "--device=cpu"), vocab_size=TINY_VOCAB,
             torch_threads=1, pin_cores=True, server_core_budget=1, warmup_requests=8,
+            # Six chapters' sweeps stay under about 15 minutes on 2 cores: 6-12 s a rate, stopping once
+            # a chapter gives way. The SLO is about twice what a batch of 64 takes on such a machine.
+            open_loop=OpenLoopSettings(
+                rates=(2.0, 5.0, 10.0, 20.0, 40.0, 60.0, 80.0, 100.0), min_level_s=6.0, max_level_s=12.0,
+                target_requests=150, lead_in_s=1.0, drain_s=8.0, max_outstanding=256, slo_ms=1000.0,
+                stop_p99_ms=3000.0, stop_error_share=0.05,
+            ),
         ),
         "gpu": Profile(
             # Sized so the whole climb fits one 10-minute command on a lent GPU machine.
@@ -105,6 +144,11 @@ def build_profiles() -> dict[str, Profile]:
             # Chapter 4's pool is sized for the top load (its rule: longest sequence x concurrency x 1.2),
             # not for its default 64, which would turn 256 users into 429s instead of a measurement.
             extra_env=(("SFS_MAX_CONCURRENCY", "256"),),
+            open_loop=OpenLoopSettings(
+                rates=(10.0, 25.0, 50.0, 100.0, 150.0, 200.0, 300.0, 400.0), min_level_s=4.0, max_level_s=8.0,
+                target_requests=300, lead_in_s=1.0, drain_s=8.0, max_outstanding=512, slo_ms=500.0,
+                stop_p99_ms=2000.0, stop_error_share=0.05,
+            ),
         ),
     }
 

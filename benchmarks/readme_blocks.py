@@ -27,6 +27,7 @@ from benchmarks.report import (
     environment_line,
     measured_row,
     missing_chapter_notes,
+    render_calibration,
     render_table,
     report_names,
 )
@@ -34,6 +35,8 @@ from benchmarks.results import (
     REFERENCE_ROOT,
     REPO_ROOT,
     BenchmarkResult,
+    find_calibration,
+    load_open_loop_results,
     load_results,
     result_filename,
 )
@@ -41,6 +44,8 @@ from benchmarks.workload import WORKLOADS
 
 # How a profile's committed climb was made, when not by ``make climb`` (shown under its table).
 CLIMB_REPRODUCE = {
+    "cpu-previous": ("not here: the climb of the machine the previous reference was measured on, kept so that "
+                     "two machines can be compared (the table of the two machines above)"),
     "gpu": ("`bash benchmarks/gpu_climb.sh OUTDIR` on a CUDA machine (one round, one run per chapter: "
             "sized for a 10-minute lease; `make climb PROFILE=gpu` runs three rounds)"),
 }
@@ -134,7 +139,9 @@ def previous_result(key: str, results: Mapping[str, BenchmarkResult]) -> Benchma
 def climb_block(results: Mapping[str, BenchmarkResult], directory: Path, readme: Path, profile: str) -> str:
     order = sorted(set(ARTICLE_CHAPTERS) | {r.chapter for r in results.values()})
     notes = {c: ("no reference result yet" if n == "not measured" else n) for c, n in missing_chapter_notes(order).items()}
-    table = render_table(results, order, notes, ceiling_line(directory))
+    open_results = load_open_loop_results(directory)
+    calibration = render_calibration(find_calibration([*results.values(), *open_results.values()]), None)
+    table = render_table(results, order, notes, ceiling_line(directory), open_results, calibration)
     _, climb_png, latency_png = report_names("default")
     parts = []
     if not results:
@@ -146,7 +153,8 @@ def climb_block(results: Mapping[str, BenchmarkResult], directory: Path, readme:
     images = [
         f"![{alt}]({_relative(directory / name, readme)})"
         for name, alt in ((climb_png, "QPS and P99 per chapter, beside the article's"),
-                          (latency_png, "P50 and P99 against load, knees circled"))
+                          (latency_png, "P50 and P99 against load, knees circled"),
+                          ("openloop.png", "open loop: achieved rate, P99 and goodput against the offered rate"))
         if (directory / name).exists()
     ]
     if images:
@@ -162,7 +170,82 @@ def climb_block(results: Mapping[str, BenchmarkResult], directory: Path, readme:
     return "\n\n".join(parts)
 
 
+def machines_block(this: Mapping[str, BenchmarkResult], previous: Mapping[str, BenchmarkResult]) -> str:
+    """The same climb on two machines: each chapter's saturation QPS, its ratio to chapter 1, and this
+    machine's QPS over the previous one's (how far a learner's figures may sit from the reference)."""
+    def machine(results: Mapping[str, BenchmarkResult]) -> str:
+        env = next(iter(results.values())).environment
+        return f"{env.cpu_model}, {env.logical_cores} cores, commit {str(env.git_commit)[:10]}"
+
+    chapters = [c for c in sorted(set(this) & set(previous)) if re.fullmatch(r"ch\d\d", c)]
+    if not chapters or "ch01" not in chapters:
+        return "*Needs both `benchmarks/reference/cpu/` and `benchmarks/reference/cpu-previous/` with ch01.*"
+    qps = {name: {c: results[c].saturation().qps for c in chapters} for name, results in (("this", this), ("previous", previous))}
+    lines = ["| chapter | QPS here | × ch01 here | QPS previous | × ch01 previous | here / previous |", "|---|---|---|---|---|---|"]
+    for c in chapters:
+        here, before = qps["this"][c], qps["previous"][c]
+        lines.append(f"| {c} | {here:.1f} | {here / qps['this']['ch01']:.2f}× | {before:.1f} | "
+                     f"{before / qps['previous']['ch01']:.2f}× | {here / before:.2f}× |")
+    ratios = [qps["this"][c] / qps["previous"][c] for c in chapters]
+    lines += ["", f"Here: {machine(this)}. Previous: {machine(previous)}. This machine's throughput is "
+              f"{min(ratios):.2f}× to {max(ratios):.2f}× the previous one's, chapter by chapter: the spread a "
+              "learner's climb may show against the reference. Read the ratios to chapter 1, and the calibration "
+              "lines, before concluding that a server is slower."]
+    return "\n".join(lines)
+
+
+def streaming_block(directory: Path) -> str:
+    """Chapter 6 against chapter 8 from ``benchmarks.streaming compare`` files (``<dir>/streaming/<workload>.json``)."""
+    import json
+
+    def ms(figures: dict | None, key: str) -> str:
+        value = (figures or {}).get(key)
+        return "—" if value is None else f"{value:,.0f}"
+
+    lines = ["| workload | chapter | users | QPS | tokens/s | TTFT P50 / P99 (ms) | TPOT P50 (ms) | total P50 / P99 (ms) | errors |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    files = sorted((directory / "streaming").glob("*.json")) if (directory / "streaming").exists() else []
+    commands = []
+    for path in files:
+        run = json.loads(path.read_text())
+        commands.append(f"`{run['command']}`")
+        for chapter, figures in run["chapters"].items():
+            errors = sum(figures["errors"].values())
+            lines.append(
+                f"| {run['workload']} | {chapter} | {run['users']} | {figures['qps']:.1f} | {figures['output_tokens_per_s']:,.0f} "
+                f"| {ms(figures['ttft_ms'], 'p50')} / {ms(figures['ttft_ms'], 'p99')} | {ms(figures['tpot_ms'], 'p50')} "
+                f"| {ms(figures['e2e_ms'], 'p50')} / {ms(figures['e2e_ms'], 'p99')} | {errors} |")
+    if not files:
+        return ("*No streaming comparison yet: `python -m benchmarks.streaming compare --chapters ch06 ch08 --workload mixed "
+                f"--out {_repo_path(directory)}/streaming/mixed.json` records one.*")
+    return "\n".join(lines) + "\n\nReproduce: " + "; ".join(commands) + (
+        ". A non-streamed answer's first token arrives with its last, so chapter 6's TTFT is its total time.")
+
+
+def kv_share_block(directory: Path) -> str:
+    """Chapter 4's pool under load, before and after one ledger, from ``benchmarks.kv_share`` files (``<dir>/ch04/``)."""
+    import json
+
+    files = sorted((directory / "ch04").glob("kv-share-*.json")) if (directory / "ch04").exists() else []
+    if not files:
+        return f"*No measurement yet: `python -m benchmarks.kv_share --url ... --out {_repo_path(directory)}/ch04/kv-share-LABEL.json`.*"
+    lines = ["| run | how memory is reserved | users | share of the pool reserved (mean) | share of the reserved slots written | answered |",
+             "|---|---|---|---|---|---|"]
+    for path in files:
+        run = json.loads(path.read_text())
+        share = "—" if run["written_share_mean"] is None else f"{run['written_share_mean']:.0%}"
+        lines.append(f"| {run['label']} | {run['layout']} | {run['users']} | {run['reserved_share_mean']:.0%} | {share} | {run['answered']} |")
+    return "\n".join(lines) + "\n\nReproduce: `bash benchmarks/kv_share.sh` (the commit before one ledger, then this one; loopback only)."
+
+
 def render_key(key: str, results: Mapping[str, BenchmarkResult], directory: Path, readme: Path, profile: str) -> str:
+    if key == "kv-share":
+        return kv_share_block(directory)
+    if key == "streaming":
+        return streaming_block(directory)
+    if key == "machines":
+        previous = REFERENCE_ROOT / "cpu-previous"
+        return machines_block(results, load_results(previous, "default") if previous.exists() else {})
     if key == "climb":
         return climb_block(results, directory, readme, profile)
     if key in results:

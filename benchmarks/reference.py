@@ -12,11 +12,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks.report import ReportFiles, write_report
-from benchmarks.results import REFERENCE_ROOT, load_result
+from benchmarks.results import OPEN_LOOP_DIR, REFERENCE_ROOT, load_open_loop_result, load_result
 
 
 def save_reference(result_files: Sequence[Path], profile: str, reference_root: Path = REFERENCE_ROOT) -> list[ReportFiles]:
-    """Copy ``result_files`` (validated) to ``<reference_root>/<profile>/`` and rewrite the report there.
+    """Copy ``result_files`` (validated) to ``<reference_root>/<profile>/`` (open-loop sweeps to its
+    ``openloop/``) and rewrite the report there.
 
     Returns the regenerated report of every workload the copied files belong to.
     """
@@ -24,9 +25,13 @@ def save_reference(result_files: Sequence[Path], profile: str, reference_root: P
     destination.mkdir(parents=True, exist_ok=True)
     workloads = set()
     for path in result_files:
-        result = load_result(path)  # never commit a file that does not match the schema
+        try:  # never commit a file that does not match the schema
+            result, target = load_result(path), destination
+        except ValueError:
+            result, target = load_open_loop_result(path), destination / OPEN_LOOP_DIR  # an open-loop sweep
         if result.profile != profile:
             raise ValueError(f"{path} is a {result.profile!r} result, not {profile!r}")
-        shutil.copyfile(path, destination / Path(path).name)
+        target.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, target / Path(path).name)
         workloads.add(result.workload)
     return [write_report(destination, workload) for workload in sorted(workloads)]

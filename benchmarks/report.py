@@ -13,6 +13,13 @@ Definitions used throughout:
   saturated at one user (ch01) at one user with the others at 64.
 - *knee* (:func:`find_knee`): the highest load before the first level at which P99 exceeds twice
   its value at the lowest load, or QPS stops growing (gains less than 10 % over the level below).
+- *open-loop knee* (:func:`find_open_knee`): the highest offered rate before the first rate at which
+  P99 exceeds three times its value at the lowest rate, or the achieved rate falls below 95 % of the
+  rate at which requests actually arrived, or more than 1 % of the arrivals fail. Up to the knee, latency grows slowly with the
+  load (the server keeps up); past it, requests queue faster than they are served and latency
+  avalanches (the article's section 6.2).
+- *the same load*: chapters are also compared at every concurrency level they all measured, and at
+  every offered rate their open-loop sweeps all measured, never only at each one's own saturation.
 """
 
 from __future__ import annotations
@@ -27,11 +34,23 @@ from matplotlib.figure import Figure
 
 from benchmarks.article import ARTICLE, ARTICLE_CHAPTERS, BASELINE
 from benchmarks.harness import chapter_is_built
-from benchmarks.results import BenchmarkResult, load_ceiling, load_results
+from benchmarks.results import (
+    REFERENCE_ROOT,
+    BenchmarkResult,
+    Calibration,
+    OpenLoopResult,
+    find_calibration,
+    load_ceiling,
+    load_open_loop_results,
+    load_results,
+)
 
 LOADGEN_CPU_WARNING_PERCENT = 80.0
 P99_KNEE_FACTOR = 2.0
 QPS_MIN_GAIN = 0.10
+OPEN_P99_KNEE_FACTOR = 3.0  # a low rate's P99 rests on few requests: a factor of 2 would trip on noise
+OPEN_MIN_ACHIEVED_SHARE = 0.95
+OPEN_MAX_ERROR_SHARE = 0.01
 
 
 # --------------------------------------------------------------------------------------------
@@ -83,6 +102,72 @@ def knee_of(result: BenchmarkResult) -> Knee | None:
     if not levels:
         return None
     return find_knee([lvl.users for lvl in levels], [lvl.qps for lvl in levels], [lvl.latency_ms.p99 for lvl in levels])
+
+
+@dataclass(frozen=True)
+class OpenKnee:
+    """``index`` into the rates (sorted); -1 when even the lowest rate broke. ``reasons`` empty when no rate broke."""
+
+    index: int
+    rate: float | None  # None: below the lowest rate measured
+    reasons: tuple[str, ...]  # "p99_tripled", "achieved_below_offered", "errors"
+    broke_at: float | None  # the first rate that broke
+
+    @property
+    def reached(self) -> bool:
+        return bool(self.reasons)
+
+
+def find_open_knee(
+    rates: Sequence[float], achieved: Sequence[float], arrived: Sequence[float], p99_ms: Sequence[float | None],
+    error_share: Sequence[float],
+    *, p99_factor: float = OPEN_P99_KNEE_FACTOR, min_achieved: float = OPEN_MIN_ACHIEVED_SHARE,
+    max_error_share: float = OPEN_MAX_ERROR_SHARE,
+) -> OpenKnee:
+    """The highest offered rate before the first one that breaks; rates must be sorted upward.
+
+    Rate ``i`` breaks when ``p99_ms[i] > p99_factor * p99_ms[0]`` (``i >= 1``; no P99 at all also
+    breaks), ``achieved[i] < min_achieved * arrived[i]`` (the server no longer keeps up with the
+    requests that actually arrived: a Poisson draw strays from the nominal rate, by about 20 % for 25
+    arrivals, so the nominal rate would trip on chance), or ``error_share[i] > max_error_share``. The knee is rate ``i - 1`` (``None`` with index -1 when the
+    lowest rate already breaks); when nothing breaks it is the top rate, with no reasons.
+    """
+    if not rates:
+        raise ValueError("no rates")
+    if list(rates) != sorted(rates):
+        raise ValueError(f"rates must be sorted upward, got {list(rates)}")
+    baseline = p99_ms[0]
+    for i, rate in enumerate(rates):
+        reasons = []
+        if p99_ms[i] is None or (i >= 1 and baseline is not None and p99_ms[i] > p99_factor * baseline):
+            reasons.append("p99_tripled")
+        if achieved[i] < min_achieved * arrived[i]:
+            reasons.append("achieved_below_offered")
+        if error_share[i] > max_error_share:
+            reasons.append("errors")
+        if reasons:
+            return OpenKnee(index=i - 1, rate=rates[i - 1] if i else None, reasons=tuple(reasons), broke_at=rate)
+    return OpenKnee(index=len(rates) - 1, rate=rates[-1], reasons=(), broke_at=None)
+
+
+def open_knee_of(result: OpenLoopResult) -> OpenKnee | None:
+    levels = sorted(result.levels, key=lambda level: level.offered_rps)
+    if not levels:
+        return None
+    return find_open_knee(
+        [lvl.offered_rps for lvl in levels], [lvl.qps for lvl in levels], [lvl.arrival_rps for lvl in levels],
+        [lvl.latency_ms.p99 if lvl.latency_ms else None for lvl in levels], [lvl.error_share for lvl in levels],
+    )
+
+
+def describe_open_knee(knee: OpenKnee | None) -> str:
+    if knee is None:
+        return "—"
+    if not knee.reached:
+        return f"> {knee.rate:g}/s"
+    if knee.rate is None:
+        return f"< {knee.broke_at:g}/s"
+    return f"{knee.rate:g}/s"
 
 
 # --------------------------------------------------------------------------------------------
@@ -337,13 +422,135 @@ def ceiling_line(directory: Path) -> str:
     )
 
 
+def _latency_pair(p50: float | None, p99: float | None) -> str:
+    return "—" if p50 is None or p99 is None else f"{_fmt(p50)} / {_fmt(p99)}"
+
+
+def common_levels(results: Mapping[str, BenchmarkResult]) -> list[int]:
+    """Concurrency levels that every main (non-variant) result measured with successes, ascending."""
+    main = [r for r in results.values() if r.label == r.chapter]
+    sets = [{lvl.users for lvl in r.levels if lvl.latency_ms is not None} for r in main]
+    return sorted(set.intersection(*sets)) if sets else []
+
+
+def render_same_load(results: Mapping[str, BenchmarkResult]) -> list[str]:
+    """P50 / P99 of every chapter at each concurrency level they all measured: the same load for all."""
+    levels = common_levels(results)
+    main = {label: r for label, r in sorted(results.items()) if r.label == r.chapter}
+    if not levels or len(main) < 2:
+        return []
+    header = "| chapter | " + " | ".join(f"{users} users: P50 / P99 (ms)" for users in levels) + " |"
+    lines = ["", "At the same load (closed loop: every chapter at the same number of requests in flight):", "",
+             header, "|---|" + "---|" * len(levels)]
+    for label, result in main.items():
+        cells = []
+        for users in levels:
+            level = result.level(users)
+            latency = level.latency_ms if level else None
+            cells.append(_latency_pair(latency.p50 if latency else None, latency.p99 if latency else None))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def common_rates(open_results: Mapping[str, OpenLoopResult]) -> list[float]:
+    """Offered rates that every main open-loop sweep measured with successes, ascending."""
+    main = [r for r in open_results.values() if r.label == r.chapter]
+    sets = [{lvl.offered_rps for lvl in r.levels if lvl.latency_ms is not None} for r in main]
+    return sorted(set.intersection(*sets)) if sets else []
+
+
+def render_open_loop(open_results: Mapping[str, OpenLoopResult]) -> list[str]:
+    """Per chapter: the knee, the best goodput and why the sweep stopped; then P50 / P99 at the rates all measured."""
+    if not open_results:
+        return []
+    first = next(iter(open_results.values())).config
+    lines = [
+        "", f"Open loop (Poisson arrivals at a fixed offered rate; SLO {first.slo_ms:,.0f} ms for goodput; knee: last "
+        f"rate before P99 exceeds {OPEN_P99_KNEE_FACTOR:g}× its value at the lowest rate, the achieved rate falls "
+        f"below {OPEN_MIN_ACHIEVED_SHARE:.0%} of the arrival rate, or over {OPEN_MAX_ERROR_SHARE:.0%} of arrivals fail):",
+        "", "| run | knee (offered req/s) | broke at | why | best goodput (req/s) | at offered | rates measured | sweep stopped |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for label, result in sorted(open_results.items()):
+        knee = open_knee_of(result)
+        best = max(result.levels, key=lambda lvl: lvl.goodput_rps, default=None)
+        lines.append(
+            f"| {label} | {describe_open_knee(knee)} | {'—' if not knee or knee.broke_at is None else f'{knee.broke_at:g}/s'} "
+            f"| {', '.join(knee.reasons) if knee and knee.reasons else '—'} "
+            f"| {_fmt(best.goodput_rps if best else None, 1)} | {'—' if best is None else f'{best.offered_rps:g}/s'} "
+            f"| {', '.join(f'{lvl.offered_rps:g}' for lvl in result.levels)} | {result.stopped or '—'} |"
+        )
+    rates = common_rates(open_results)
+    main = {label: r for label, r in sorted(open_results.items()) if r.label == r.chapter}
+    if rates and len(main) >= 2:
+        lines += ["", "At the same offered rate:", "",
+                  "| chapter | " + " | ".join(f"{rate:g}/s: P50 / P99 (ms), achieved" for rate in rates) + " |",
+                  "|---|" + "---|" * len(rates)]
+        for label, result in main.items():
+            cells = []
+            for rate in rates:
+                level = next((lvl for lvl in result.levels if lvl.offered_rps == rate), None)
+                latency = level.latency_ms if level else None
+                pair = _latency_pair(latency.p50 if latency else None, latency.p99 if latency else None)
+                cells.append(pair if level is None else f"{pair}, {level.qps:.1f}/s")
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _calibration_cells(calibration: Calibration | None) -> list[str]:
+    if calibration is None:
+        return ["—"] * 6
+
+    def get(values: Mapping[str, float | None], key: str) -> str:
+        return _fmt(values.get(key), 1)
+
+    return [get(calibration.fp32_gflops, "1"), get(calibration.fp32_gflops, "64"), get(calibration.bf16_gflops, "1"),
+            get(calibration.bf16_gflops, "64"), get(calibration.engine_rps, "1"), get(calibration.engine_rps, "64")]
+
+
+def render_calibration(here: Calibration | None, reference: Calibration | None, reference_name: str = "") -> list[str]:
+    """This machine's calibration beside the reference's: a slower machine, or a slower server?"""
+    if here is None and reference is None:
+        return []
+    lines = [
+        "", "Machine calibration (one thread: GFLOP/s of the model's matrix shapes at 1 and 64 rows; the engine's "
+        "requests/s at batch 1 and 64 with no server):", "",
+        "| machine | fp32 GFLOP/s @1 | fp32 @64 | bf16 @1 | bf16 @64 | engine req/s @1 | engine @64 |",
+        "|---|---|---|---|---|---|---|",
+        "| these results | " + " | ".join(_calibration_cells(here)) + " |",
+    ]
+    if reference_name:
+        lines.append(f"| reference ({reference_name}) | " + " | ".join(_calibration_cells(reference)) + " |")
+    notes = []
+    if here is None:
+        notes.append("these results hold no calibration (recorded before it existed, or it failed).")
+    if reference_name and reference is None:
+        notes.append("the reference holds no calibration (recorded before it existed): re-measure it to compare machines.")
+    if here is not None and reference is not None and reference_name:
+        ratios = [(here.engine_rps.get(k) or 0) / v for k, v in reference.engine_rps.items() if v]
+        if ratios:
+            notes.append(
+                f"the engine alone runs at {min(ratios):.2f}-{max(ratios):.2f}× the reference's speed here: a climb "
+                f"that differs from the reference by about as much differs because of the machine, not the server."
+            )
+    for note in (here.bf16_note if here else None, here.error if here else None):
+        if note:
+            notes.append(note)
+    return lines + [""] + [f"- {note}" for note in notes] if notes else lines
+
+
 def render_table(
     results: Mapping[str, BenchmarkResult], chapters: Sequence[str] | None = None,
     missing_notes: Mapping[str, str] | None = None, ceiling: str = "",
+    open_results: Mapping[str, OpenLoopResult] | None = None, calibration: Sequence[str] = (),
 ) -> str:
-    """The whole markdown report: table, variants, where it ran, the ceiling, warnings."""
+    """The whole markdown report: table, variants, the same-load comparisons, the open loop, where it
+    ran, the calibration (lines from :func:`render_calibration`), the ceiling, warnings."""
     lines = render_rows(build_rows(results, chapters, missing_notes))
     lines += render_variants(build_variant_rows(results))
+    lines += render_same_load(results)
+    lines += render_open_loop(open_results or {})
+    lines += list(calibration)
     context = environment_line(results)
     if context:
         lines += ["", context]
@@ -445,6 +652,57 @@ def plot_latency_vs_load(results: Mapping[str, BenchmarkResult], axes=None, titl
     return figure
 
 
+def plot_open_loop(open_results: Mapping[str, OpenLoopResult], axes=None, title: str = "Open loop: offered rate swept upward"):
+    """Three panels against the offered rate: the achieved rate (the diagonal = keeping up), P99 (log;
+    the circle marks the knee, the cross the first rate past it) and goodput within the SLO. Returns the figure."""
+    if axes is None:
+        axes = Figure(figsize=(15, 4.5)).subplots(1, 3)
+    achieved_ax, p99_ax, goodput_ax = axes
+    figure = achieved_ax.figure
+    colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+    top = max((lvl.offered_rps for r in open_results.values() for lvl in r.levels), default=1.0)
+    achieved_ax.plot([0, top], [0, top], ":", color="gray", label="achieved = offered")
+    slo = None
+    for n, label in enumerate(sorted(open_results)):
+        result = open_results[label]
+        levels = sorted(result.levels, key=lambda lvl: lvl.offered_rps)
+        if not levels:
+            continue
+        slo = result.config.slo_ms
+        color = colors[n % len(colors)]
+        style = "-" if result.label == result.chapter else "--"
+        offered = [lvl.offered_rps for lvl in levels]
+        achieved_ax.plot(offered, [lvl.qps for lvl in levels], style, marker="o", markersize=4, color=color, label=label)
+        goodput_ax.plot(offered, [lvl.goodput_rps for lvl in levels], style, marker="o", markersize=4, color=color,
+                        label=label)
+        with_latency = [lvl for lvl in levels if lvl.latency_ms is not None]
+        p99_ax.plot([lvl.offered_rps for lvl in with_latency], [lvl.latency_ms.p99 for lvl in with_latency], style,
+                    marker="o", markersize=4, color=color, label=label)
+        knee = open_knee_of(result)
+        if knee is not None and knee.reached and knee.index >= 0 and levels[knee.index].latency_ms is not None:
+            p99_ax.plot(offered[knee.index], levels[knee.index].latency_ms.p99, "o", markersize=13,
+                        markerfacecolor="none", markeredgecolor=color, markeredgewidth=2)
+        if knee is not None and knee.broke_at is not None:
+            broke = levels[knee.index + 1]
+            if broke.latency_ms is not None:
+                p99_ax.plot(broke.offered_rps, broke.latency_ms.p99, "x", markersize=10, color=color)
+    achieved_ax.set_title("Achieved rate (below the diagonal: falling behind)")
+    achieved_ax.set_ylabel("achieved (successful requests/s)")
+    p99_ax.set_title("P99 latency (ms); circle = knee, cross = first rate past it")
+    p99_ax.set_ylabel("P99 latency (ms)")
+    p99_ax.set_yscale("log")
+    goodput_ax.set_title(f"Goodput: answered within the SLO ({'—' if slo is None else f'{slo:,.0f} ms'})")
+    goodput_ax.set_ylabel("goodput (requests/s)")
+    for ax in axes:
+        ax.set_xlabel("offered rate (requests/s, Poisson arrivals)")
+        ax.grid(True, which="both", alpha=0.3)
+        if open_results:
+            ax.legend(fontsize=8)
+    figure.suptitle(title)
+    figure.tight_layout()
+    return figure
+
+
 # --------------------------------------------------------------------------------------------
 # The whole report, written next to the results
 # --------------------------------------------------------------------------------------------
@@ -456,6 +714,23 @@ class ReportFiles:
     climb_png: Path
     latency_png: Path
     markdown: str
+    open_loop_png: Path | None = None  # only where open-loop sweeps exist
+
+
+def calibration_report(
+    directory: Path, results: Mapping[str, BenchmarkResult], open_results: Mapping[str, OpenLoopResult],
+    reference_root: Path = REFERENCE_ROOT,
+) -> list[str]:
+    """The calibration of ``directory``'s results beside the committed reference's of the same profile
+    (none beside itself when ``directory`` is that reference)."""
+    everything = [*results.values(), *open_results.values()]
+    here = find_calibration(everything)
+    profile = everything[0].config.profile if everything else Path(directory).name
+    reference_dir = Path(reference_root) / profile
+    if not reference_dir.exists() or Path(directory).resolve() == reference_dir.resolve():
+        return render_calibration(here, None)
+    reference = find_calibration([*load_results(reference_dir).values(), *load_open_loop_results(reference_dir).values()])
+    return render_calibration(here, reference, f"benchmarks/reference/{profile}")
 
 
 def report_names(workload: str) -> tuple[str, str, str]:
@@ -472,9 +747,11 @@ def write_report(directory: Path, workload: str = "default", extra_notes: Mappin
     """Read every result of ``workload`` in ``directory``; write the table and both plots there."""
     directory = Path(directory)
     results = load_results(directory, workload)
+    open_results = load_open_loop_results(directory, workload)
     order = sorted(set(ARTICLE_CHAPTERS) | {r.chapter for r in results.values()})
     notes = {**missing_chapter_notes(order), **(extra_notes or {})}
-    markdown = render_table(results, order, notes, ceiling_line(directory))
+    markdown = render_table(results, order, notes, ceiling_line(directory), open_results,
+                            calibration_report(directory, results, open_results))
     table_name, climb_name, latency_name = report_names(workload)
     profile = next(iter(results.values())).config.profile if results else directory.name
     (directory / table_name).write_text(f"# The climb: profile `{profile}`, workload `{workload}`\n\n{markdown}")
@@ -484,7 +761,11 @@ def write_report(directory: Path, workload: str = "default", extra_notes: Mappin
     climb_figure.savefig(directory / climb_name, dpi=120)
     latency_figure = plot_latency_vs_load(results, title=f"Latency against load ({profile} profile)")
     latency_figure.savefig(directory / latency_name, dpi=120)
-    return ReportFiles(directory / table_name, directory / climb_name, directory / latency_name, markdown)
+    open_png = None
+    if open_results:
+        open_png = directory / latency_name.replace("latency_vs_load", "openloop")
+        plot_open_loop(open_results, title=f"Open loop ({profile} profile)").savefig(open_png, dpi=120)
+    return ReportFiles(directory / table_name, directory / climb_name, directory / latency_name, markdown, open_png)
 
 
 def results_dir_from_env(default: Path) -> Path:

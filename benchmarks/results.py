@@ -8,15 +8,25 @@ The pydantic models below are the schema: :func:`save_result` validates before w
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-SCHEMA_VERSION = 1
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from shared.paths import REPO_ROOT
+
+# 2: per-level stage timings, a sample of requests, the server's batch sizes and figures over time,
+#    resource samples over time, the machine's calibration (all optional: version-1 files still load),
+#    and the open-loop sweep's own file (:class:`OpenLoopResult`).
+SCHEMA_VERSION = 2
+READABLE_SCHEMA_VERSIONS = (1, 2)
+# A level keeps at most this many requests' own figures (for plots); its summaries use every request.
+MAX_REQUEST_SAMPLES = 300
+# A level's time series keep at most this many points (downsampled evenly).
+MAX_SERIES_POINTS = 60
 RESULTS_ROOT = REPO_ROOT / "benchmarks" / "results"
 REFERENCE_ROOT = REPO_ROOT / "benchmarks" / "reference"
 
@@ -75,10 +85,63 @@ class Latency(_Strict):
     mean: float
 
 
-class LevelResult(_Strict):
-    users: int = Field(description="closed-loop users = requests in flight")
-    window_s: float = Field(description="steady-state window: from every user's first answer to the stop")
-    stopped_by: Literal["request_target", "time_limit"]
+class StageSummary(_Strict):
+    """One stage of the server's own ``timings_ms`` (parse, queue, prefill, decode, total, ...), in ms,
+    over the successful requests of the level that reported it."""
+
+    count: int
+    p50: float
+    p90: float
+    p99: float
+    mean: float
+
+
+class RequestSamples(_Strict):
+    """At most ``MAX_REQUEST_SAMPLES`` requests of the level, columns of equal length, for plotting.
+
+    Chosen evenly by finishing order among the successful requests the latency figures cover.
+    ``stages_ms[name][i]`` is ``None`` where request ``i`` did not report that stage.
+    """
+
+    finished_s: list[float] = Field(description="finish time, seconds from the window's start")
+    latency_ms: list[float] = Field(description="the time the client saw")
+    prompt_tokens: list[int | None]
+    stages_ms: dict[str, list[float | None]] = Field(description="the server's timings_ms, per stage")
+
+
+class ServerSeries(_Strict):
+    """What the server said about itself (``/stats``, else ``/healthz``'s ``batcher``) during the level.
+
+    ``batch_sizes`` and ``batches``/``requests`` are deltas over the level (cumulative counters read
+    just before Locust started and just after it stopped: the whole level, ramp-up included).
+    ``points`` are polls every ``interval_s``: ``t_s`` (seconds from the window's start) and every
+    numeric figure of the answer that changed during the level, flattened with dots
+    (``pool.blocks_used``), counters as read; the figures that never changed are in ``constants``.
+    """
+
+    source: Literal["stats", "healthz"]
+    interval_s: float
+    batch_sizes: dict[str, int] = Field(default_factory=dict, description="batch size -> batches of it, this level")
+    batches: int | None = None
+    requests: int | None = None
+    points: list[dict[str, float]] = Field(default_factory=list)
+    constants: dict[str, float] = Field(default_factory=dict)
+
+
+class ResourcePoint(_Strict):
+    """One downsampled resource sample: rates over the interval since the previous point."""
+
+    t_s: float = Field(description="seconds from the window's start")
+    server_cpu_percent: float | None = None
+    loadgen_cpu_percent: float | None = None
+    server_rss_mb: float | None = None
+    gpu_util_percent: float | None = None
+    gpu_memory_mb: float | None = None
+
+
+class LevelMeasurements(_Strict):
+    """What a closed-loop level and an open-loop rate both measure."""
+
     requests_ok: int = Field(description="successful requests finished inside the window")
     requests_failed: int = Field(description="failed requests finished inside the window")
     latency_sample: int = Field(description="successful requests whose latencies the percentiles are taken over")
@@ -100,12 +163,63 @@ class LevelResult(_Strict):
     gpu_util_percent_mean: float | None = None
     gpu_memory_mb_max: float | None = None
     locust_exit_code: int
+    # schema 2 (absent from version-1 files)
+    stages_ms: dict[str, StageSummary] | None = Field(None, description="the server's timings_ms, per stage")
+    samples: RequestSamples | None = None
+    server_series: ServerSeries | None = None
+    resource_series: list[ResourcePoint] | None = None
+
+
+class LevelResult(LevelMeasurements):
+    """One closed-loop concurrency level."""
+
+    users: int = Field(description="closed-loop users = requests in flight")
+    window_s: float = Field(description="steady-state window: from every user's first answer to the stop")
+    stopped_by: Literal["request_target", "time_limit"]
 
 
 class ServerRun(_Strict):
     startup_s: float = Field(description="from launch to the first healthy /healthz")
     warmup_s: float
     exit_code: int | None = Field(description="after SIGTERM; 0 or -15 is a clean stop")
+
+
+class MatmulRate(_Strict):
+    """One linear layer's matrix product, timed on one thread: ``rows x in_features @ in_features x out_features``."""
+
+    name: str
+    rows: int
+    in_features: int
+    out_features: int
+    fp32_gflops: float | None
+    bf16_gflops: float | None
+
+
+class Calibration(_Strict):
+    """How fast this machine is, apart from any server: tells a slower machine from a slower server.
+
+    ``fp32_gflops`` / ``bf16_gflops``: one thread, the model's linear shapes, total FLOPs over total
+    time, keyed by the number of rows (1: one decoding request, 64: a full batch). ``engine_rps``:
+    requests per second of chapter 3's batched generation with no server around it, keyed by batch size.
+    """
+
+    model: str
+    device: str
+    torch_threads: int
+    fp32_gflops: dict[str, float]
+    bf16_gflops: dict[str, float | None]
+    bf16_note: str | None = Field(None, description="why bf16 has no figure, or what it ran as")
+    matmuls: list[MatmulRate]
+    engine_new_tokens: int
+    engine_rps: dict[str, float]
+    seconds: float = Field(description="how long the calibration took")
+    error: str | None = Field(None, description="set when a part could not run; the rest is still valid")
+
+
+def _check_schema_version(version: int) -> int:
+    if version not in READABLE_SCHEMA_VERSIONS:
+        raise ValueError(f"schema version {version} is not one this code reads ({READABLE_SCHEMA_VERSIONS})")
+    return version
 
 
 class BenchmarkResult(_Strict):
@@ -118,6 +232,12 @@ class BenchmarkResult(_Strict):
     config: RunConfig
     server: ServerRun
     levels: list[LevelResult]
+    calibration: Calibration | None = Field(None, description="schema 2: the machine's speed apart from the server")
+
+    @field_validator("schema_version")
+    @classmethod
+    def _readable_version(cls, version: int) -> int:
+        return _check_schema_version(version)
 
     @property
     def workload(self) -> str:
@@ -131,22 +251,150 @@ class BenchmarkResult(_Strict):
         """The level with the highest successful QPS: the chapter's throughput figure."""
         return max(self.levels, key=lambda level: level.qps, default=None)
 
+    def level(self, users: int) -> LevelResult | None:
+        return next((level for level in self.levels if level.users == users), None)
+
+
+# --------------------------------------------------------------------------------------------
+# The open-loop sweep: arrivals at a fixed offered rate, independent of the answers.
+# --------------------------------------------------------------------------------------------
+
+
+class OpenLoopConfig(_Strict):
+    profile: str
+    workload: str
+    max_new_tokens: int
+    prompt_lengths: list[int]
+    seed: int
+    rates: list[float] = Field(description="the ladder of offered rates (requests/s), swept upward")
+    lead_in_s: float = Field(description="arrivals in the first seconds of a rate are sent but not measured")
+    min_level_s: float
+    max_level_s: float
+    target_requests: int = Field(description="a rate's measured window lasts target/rate seconds, within [min, max]")
+    drain_s: float = Field(description="after the last arrival, answers are awaited this long; later ones fail")
+    max_outstanding: int = Field(description="arrivals beyond this many requests in flight are dropped (failures)")
+    slo_ms: float = Field(description="goodput counts successful requests answered within this")
+    stop_p99_ms: float = Field(description="the sweep of a chapter stops after a rate whose P99 exceeds this")
+    stop_error_share: float = Field(description="... or whose failed share of arrivals exceeds this")
+    server_args: list[str]
+    server_command: list[str]
+    reproduce: str
+
+
+class OpenLoopLevel(LevelMeasurements):
+    """One offered rate. The measured requests are those that *arrived* inside the window (latency,
+    failures, goodput); ``qps`` (the achieved rate) is the successful answers that *finished* inside
+    the window per second: what the server delivered while that load was offered."""
+
+    offered_rps: float
+    window_s: float = Field(description="the measured arrival window (after the lead-in)")
+    arrivals: int = Field(description="arrivals inside the window, dropped ones included")
+    arrival_rps: float = Field(description="arrivals / window: the offered rate as it came out of the Poisson draw")
+    dropped: int = Field(description="arrivals refused because max_outstanding requests were in flight")
+    unfinished: int = Field(description="requests still unanswered when the drain ended")
+    goodput_rps: float = Field(description="successful requests answered within the SLO, per second of the window")
+    max_outstanding_seen: int = Field(description="the most requests in flight at once")
+
+    @property
+    def achieved_rps(self) -> float:
+        return self.qps
+
+    @property
+    def error_share(self) -> float:
+        return self.requests_failed / self.arrivals if self.arrivals else 0.0
+
+
+class OpenLoopResult(_Strict):
+    schema_version: int = SCHEMA_VERSION
+    kind: Literal["open_loop"] = "open_loop"
+    chapter: str
+    label: str
+    started_at: str
+    finished_at: str
+    environment: Environment
+    config: OpenLoopConfig
+    server: ServerRun
+    levels: list[OpenLoopLevel]
+    stopped: str | None = Field(None, description="why the sweep stopped (the last rate broke a bound); None: the ladder's end")
+    calibration: Calibration | None = None
+
+    @field_validator("schema_version")
+    @classmethod
+    def _readable_version(cls, version: int) -> int:
+        return _check_schema_version(version)
+
+    @property
+    def workload(self) -> str:
+        return self.config.workload
+
+    @property
+    def profile(self) -> str:
+        return self.config.profile
+
+
+OPEN_LOOP_DIR = "openloop"
+
 
 def result_filename(label: str, workload: str) -> str:
     return f"{label}.json" if workload == "default" else f"{label}-{workload}.json"
 
 
-def save_result(result: BenchmarkResult, directory: Path) -> Path:
-    """Validate and write ``result`` under ``directory``; returns the file's path."""
-    BenchmarkResult.model_validate(result.model_dump())  # re-validate: fields may have been mutated after construction
+def save_result(result: BenchmarkResult | OpenLoopResult, directory: Path) -> Path:
+    """Validate and write ``result`` under ``directory`` (an open-loop sweep under ``directory/openloop/``);
+    returns the file's path."""
+    type(result).model_validate(result.model_dump())  # re-validate: fields may have been mutated after construction
+    if isinstance(result, OpenLoopResult):
+        directory = Path(directory) / OPEN_LOOP_DIR
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / result_filename(result.label, result.workload)
-    path.write_text(result.model_dump_json(indent=2) + "\n")
+    path.write_text(dumps_compact(result.model_dump(mode="json")) + "\n")
     return path
+
+
+def _is_scalar(value: object) -> bool:
+    return value is None or isinstance(value, (str, int, float, bool))
+
+
+def dumps_compact(value: object, indent: int = 2, level: int = 0) -> str:
+    """JSON indented like ``indent=2``, except that a list or object whose items are all scalars stays on
+    one line: a level's 300-request columns and its series then cost a line each, not a line per number."""
+    if _is_scalar(value) or (isinstance(value, (list, dict)) and not value):
+        return json.dumps(value)
+    items = value.values() if isinstance(value, dict) else value
+    if all(_is_scalar(item) for item in items):
+        return json.dumps(value, separators=(", ", ": ") if isinstance(value, dict) else (",", ":"))
+    pad, inner = " " * indent * level, " " * indent * (level + 1)
+    if isinstance(value, dict):
+        body = ",\n".join(f"{inner}{json.dumps(k)}: {dumps_compact(v, indent, level + 1)}" for k, v in value.items())
+        return "{\n" + body + "\n" + pad + "}"
+    body = ",\n".join(f"{inner}{dumps_compact(v, indent, level + 1)}" for v in value)
+    return "[\n" + body + "\n" + pad + "]"
 
 
 def load_result(path: Path) -> BenchmarkResult:
     return BenchmarkResult.model_validate_json(Path(path).read_text())
+
+
+def load_open_loop_result(path: Path) -> OpenLoopResult:
+    return OpenLoopResult.model_validate_json(Path(path).read_text())
+
+
+def load_open_loop_results(directory: Path, workload: str = "default") -> dict[str, OpenLoopResult]:
+    """Every open-loop sweep of ``workload`` in ``directory/openloop/``, keyed by label; {} when there is none."""
+    results = {}
+    for path in sorted((Path(directory) / OPEN_LOOP_DIR).glob("*.json")):
+        try:
+            result = load_open_loop_result(path)
+        except ValueError:
+            continue
+        if result.workload == workload:
+            results[result.label] = result
+    return results
+
+
+def find_calibration(results) -> Calibration | None:
+    """The first calibration among ``results`` (any iterable of results), or None."""
+    return next((r.calibration for r in results if getattr(r, "calibration", None) is not None), None)
 
 
 def load_results(directory: Path, workload: str = "default") -> dict[str, BenchmarkResult]:
@@ -179,6 +427,75 @@ def percentile_ms(latencies_s: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(latencies_s) * 1e3, q))
 
 
+def _timings(record: list) -> dict[str, float] | None:
+    """The server's ``timings_ms`` of a record (index 6), ``None`` for records written before it existed."""
+    return record[6] if len(record) > 6 and isinstance(record[6], dict) else None
+
+
+def _prompt_tokens(record: list) -> int | None:
+    return record[7] if len(record) > 7 else None
+
+
+def summarize_stages(records: list[list]) -> dict[str, StageSummary] | None:
+    """Per-stage percentiles over the records' ``timings_ms``; ``None`` when no record carries any.
+
+    A stage missing from some answers (a fallback path without ``queue``) is summarised over the
+    answers that have it; ``count`` says how many.
+    """
+    values: dict[str, list[float]] = {}
+    for record in records:
+        for stage, ms in (_timings(record) or {}).items():
+            if isinstance(ms, (int, float)):
+                values.setdefault(stage, []).append(float(ms))
+    if not values:
+        return None
+    return {
+        stage: StageSummary(
+            count=len(ms), p50=float(np.percentile(ms, 50)), p90=float(np.percentile(ms, 90)),
+            p99=float(np.percentile(ms, 99)), mean=float(np.mean(ms)),
+        )
+        for stage, ms in values.items()
+    }
+
+
+def evenly_chosen(items: list, limit: int) -> list:
+    """At most ``limit`` of ``items``, spread evenly over the list (first and last kept), order kept."""
+    if limit <= 0:
+        return []
+    if len(items) <= limit:
+        return list(items)
+    if limit == 1:
+        return [items[0]]
+    step = (len(items) - 1) / (limit - 1)
+    return [items[round(i * step)] for i in range(limit)]
+
+
+def sample_requests(records: list[list], window_start: float, limit: int = MAX_REQUEST_SAMPLES) -> RequestSamples | None:
+    """Up to ``limit`` of ``records`` (successful ones), evenly by finishing time, as columns; rounded to 0.1 ms."""
+    if not records:
+        return None
+    chosen = evenly_chosen(sorted(records, key=lambda r: r[0] + r[1]), limit)
+    stages = sorted({stage for r in chosen for stage in (_timings(r) or {})})
+    return RequestSamples(
+        finished_s=[round(r[0] + r[1] - window_start, 3) for r in chosen],
+        latency_ms=[round(r[1] * 1e3, 1) for r in chosen],
+        prompt_tokens=[_prompt_tokens(r) for r in chosen],
+        stages_ms={
+            stage: [None if (_timings(r) or {}).get(stage) is None else round(float(_timings(r)[stage]), 1) for r in chosen]
+            for stage in stages
+        },
+    )
+
+
+def latency_summary(latencies_s: list[float]) -> Latency | None:
+    if not latencies_s:
+        return None
+    return Latency(
+        p50=percentile_ms(latencies_s, 50), p90=percentile_ms(latencies_s, 90), p95=percentile_ms(latencies_s, 95),
+        p99=percentile_ms(latencies_s, 99), max=max(latencies_s) * 1e3, mean=float(np.mean(latencies_s)) * 1e3,
+    )
+
+
 def summarize_level(
     records: list[list],
     window_start: float,
@@ -188,29 +505,26 @@ def summarize_level(
     stopped_by: Literal["request_target", "time_limit"],
     locust_exit_code: int,
     resources: dict[str, float | None] | None = None,
+    extras: dict | None = None,
 ) -> LevelResult:
-    """The level's figures from Locust's records ``[start, latency_s, status, ok, tokens, reason]``.
+    """The level's figures from Locust's records
+    ``[start, latency_s, status, ok, tokens, reason, timings_ms, prompt_tokens]`` (the last two optional).
 
     Contract:
     - the window opens once every user has had its first answer (the locustfile's steady state), so
       the first round of requests, sent all at once and queued behind fewer others, is left out;
     - throughput counts requests *finished* inside ``[window_start, window_end]``: every user is busy
       throughout, so completions per second are the server's rate at ``users``;
-    - latency percentiles are taken over the same successful requests (every one a second-round or
-      later request, since the first round has finished when the window opens);
+    - latency percentiles, stage summaries and the request sample are taken over the same successful
+      requests (every one a second-round or later request, since the first round has finished when the
+      window opens);
     - failures are counted by status, ``0`` meaning no HTTP answer at all.
+    ``extras``: the level's other schema-2 fields (``server_series``, ``resource_series``).
     """
     window_s = max(window_end - window_start, 1e-9)
     finished = [r for r in records if window_start <= r[0] + r[1] <= window_end]
     ok = [r for r in finished if r[3]]
     failed = [r for r in finished if not r[3]]
-    latencies = [r[1] for r in ok]
-    latency = None
-    if latencies:
-        latency = Latency(
-            p50=percentile_ms(latencies, 50), p90=percentile_ms(latencies, 90), p95=percentile_ms(latencies, 95),
-            p99=percentile_ms(latencies, 99), max=max(latencies) * 1e3, mean=float(np.mean(latencies)) * 1e3,
-        )
     resources = resources or {}
     return LevelResult(
         users=users,
@@ -218,12 +532,82 @@ def summarize_level(
         stopped_by=stopped_by,
         requests_ok=len(ok),
         requests_failed=len(failed),
-        latency_sample=len(latencies),
+        latency_sample=len(ok),
         qps=len(ok) / window_s,
         tokens_per_s=sum(r[4] for r in ok) / window_s,
-        latency_ms=latency,
+        latency_ms=latency_summary([r[1] for r in ok]),
         errors_by_status=dict(sorted(Counter(str(r[2]) for r in failed).items())),
         failure_reasons=dict(Counter(str(r[5]) for r in failed).most_common(MAX_FAILURE_REASONS)),
         locust_exit_code=locust_exit_code,
+        stages_ms=summarize_stages(ok),
+        samples=sample_requests(ok, window_start),
         **resources,
+        **(extras or {}),
+    )
+
+
+def summarize_open_level(
+    records: list[list],
+    window_start: float,
+    window_end: float,
+    *,
+    offered_rps: float,
+    dropped_at: list[float],
+    unfinished_at: list[float],
+    max_outstanding_seen: int,
+    slo_ms: float,
+    locust_exit_code: int,
+    resources: dict[str, float | None] | None = None,
+    extras: dict | None = None,
+) -> OpenLoopLevel:
+    """One offered rate's figures. ``records`` are the requests that *arrived* (were sent) inside
+    ``[window_start, window_end)``, answered or failed; the arrival times ``dropped_at`` (refused by the
+    outstanding cap) and ``unfinished_at`` (unanswered when the drain ended) inside the window count as
+    failures too (statuses ``dropped`` and ``0``).
+
+    The achieved rate (``qps``, and ``tokens_per_s``) counts the successful answers that *finished*
+    inside the window, whenever they arrived: the server's output while the load was offered, to be
+    compared with ``arrival_rps`` (a Poisson draw strays from the nominal rate). Goodput counts the
+    successful requests among the window's arrivals answered within ``slo_ms``, per second of the
+    window; latency percentiles are over the successful ones among those arrivals.
+    """
+    window_s = max(window_end - window_start, 1e-9)
+    measured = [r for r in records if window_start <= r[0] < window_end]
+    ok = [r for r in measured if r[3]]
+    failed = [r for r in measured if not r[3]]
+    delivered = [r for r in records if r[3] and window_start <= r[0] + r[1] <= window_end]
+    dropped = sum(1 for t in dropped_at if window_start <= t < window_end)
+    unfinished = sum(1 for t in unfinished_at if window_start <= t < window_end)
+    errors = Counter(str(r[2]) for r in failed)
+    reasons = Counter(str(r[5]) for r in failed)
+    if dropped:
+        errors["dropped"] += dropped
+        reasons["dropped: too many requests in flight"] += dropped
+    if unfinished:
+        errors["0"] += unfinished
+        reasons["unanswered when the drain ended"] += unfinished
+    resources = resources or {}
+    arrivals = len(measured) + dropped + unfinished
+    return OpenLoopLevel(
+        offered_rps=offered_rps,
+        window_s=window_s,
+        arrivals=arrivals,
+        arrival_rps=arrivals / window_s,
+        dropped=dropped,
+        unfinished=unfinished,
+        requests_ok=len(ok),
+        requests_failed=len(failed) + dropped + unfinished,
+        latency_sample=len(ok),
+        qps=len(delivered) / window_s,
+        goodput_rps=sum(1 for r in ok if r[1] * 1e3 <= slo_ms) / window_s,
+        tokens_per_s=sum(r[4] for r in delivered) / window_s,
+        latency_ms=latency_summary([r[1] for r in ok]),
+        errors_by_status=dict(sorted(errors.items())),
+        failure_reasons=dict(reasons.most_common(MAX_FAILURE_REASONS)),
+        max_outstanding_seen=max_outstanding_seen,
+        locust_exit_code=locust_exit_code,
+        stages_ms=summarize_stages(ok),
+        samples=sample_requests(ok, window_start),
+        **resources,
+        **(extras or {}),
     )

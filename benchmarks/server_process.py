@@ -21,8 +21,7 @@ from pathlib import Path
 import requests
 
 from chapters import module_for
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from shared.paths import REPO_ROOT
 
 
 def free_port() -> int:

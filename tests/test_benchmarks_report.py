@@ -291,7 +291,8 @@ def test_the_harness_never_imports_locust():
     """Locust patches the interpreter with gevent on import: the harness must only start it as a process."""
     code = (
         "import sys, benchmarks.__main__, benchmarks.harness, benchmarks.ceiling, benchmarks.report, "
-        "benchmarks.readme_blocks, benchmarks.reference; print('locust' in sys.modules, 'gevent' in sys.modules)"
+        "benchmarks.readme_blocks, benchmarks.reference, benchmarks.notebook_plots, benchmarks.notebooks, "
+        "benchmarks.calibration, benchmarks.server_stats; print('locust' in sys.modules, 'gevent' in sys.modules)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           cwd=Path(__file__).resolve().parent.parent)
@@ -309,3 +310,35 @@ def test_median_run_keeps_the_middle_run_whole(tmp_path):
     chosen = median_run(paths)
     assert chosen == paths[2]  # 20 QPS: the median of 10, 20, 30
     assert median_run(paths[:2]) == paths[1]  # an even count keeps the lower middle (10 of 10, 30)
+
+
+def test_the_machines_block_compares_two_reference_climbs(tmp_path: Path):
+    from benchmarks.readme_blocks import machines_block
+    from benchmarks.results import load_results
+
+    here, previous = tmp_path / "here", tmp_path / "previous"
+    write_synthetic_climb(here)
+    write_synthetic_climb(previous)
+    this, before = load_results(here, "default"), load_results(previous, "default")
+    # The previous machine was twice as fast at chapter 2 and the same elsewhere.
+    before["ch02"].levels[-1].qps *= 2
+    block = machines_block(this, before)
+    qps_ch02 = this["ch02"].saturation().qps
+    assert f"| ch02 | {qps_ch02:.1f} |" in block
+    assert "0.50× to 1.00×" in block
+    assert machines_block(this, {}).startswith("*Needs both")
+
+
+def test_the_streaming_block_is_written_from_the_comparison_files(tmp_path: Path):
+    import json
+
+    from benchmarks.readme_blocks import streaming_block
+    from benchmarks.synthetic import write_synthetic_production_and_streaming
+
+    assert streaming_block(tmp_path).startswith("*No streaming comparison yet")
+    write_synthetic_production_and_streaming(tmp_path)
+    mixed = json.loads((tmp_path / "streaming" / "mixed.json").read_text())
+    block = streaming_block(tmp_path)
+    for chapter, figures in mixed["chapters"].items():
+        assert f"| mixed | {chapter} | {mixed['users']} | {figures['qps']:.1f} |" in block
+    assert mixed["command"] in block

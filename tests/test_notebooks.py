@@ -1,0 +1,181 @@
+"""Every notebook runs top to bottom, against synthetic schema-2 results and against the committed reference.
+
+A notebook displays each figure through ``benchmarks.notebook_plots.show``, which raises on a figure
+with an empty panel, so an empty plot fails here as an error. Against synthetic results (which hold
+every recorded field) every plot must draw: a "no data" note there means the plotting code and the
+results schema have drifted apart. Against the committed reference, notes are allowed (the reference
+may predate a field) but every notebook must still show at least one figure, except chapters 7 and 8,
+whose recordings (drain timeline, leak curves, streaming comparison) may not be committed yet: there
+every plot either draws or names the command that records its data.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks.notebooks import execute, notebook_paths
+from benchmarks.results import REFERENCE_ROOT
+from benchmarks.synthetic import (
+    synthetic_drain_timeline,
+    synthetic_leak_report,
+    write_synthetic_production_and_streaming,
+    write_synthetic_reference,
+)
+
+NOTEBOOKS = notebook_paths()
+NO_DATA = "No data for this plot"
+# Notebooks whose data come from their own recorders, with the files each one reads (under the results dir).
+OWN_RECORDINGS = {
+    "ch07_production": ("ch07/drain-timeline.json", "ch07/leak-leaky.json", "ch07/leak-fixed.json"),
+    "ch08_continuous_batching": ("streaming/mixed.json", "streaming/default.json"),
+}
+
+
+@pytest.fixture(scope="module")
+def synthetic_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("synthetic")
+    write_synthetic_reference(root / "cpu", "cpu")
+    write_synthetic_production_and_streaming(root / "cpu")
+    write_synthetic_reference(root / "gpu", "gpu", calibration_scale=20.0)
+    return {"SFS_RESULTS_DIR": str(root / "cpu"), "SFS_GPU_RESULTS_DIR": str(root / "gpu")}
+
+
+def _outputs(notebook) -> list:
+    return [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.get("outputs", [])]
+
+
+def _images(notebook) -> int:
+    return sum("image/png" in output.get("data", {}) for output in _outputs(notebook))
+
+
+def _text(notebook) -> str:
+    return "\n".join(str(output.get("text", "")) + str(output.get("data", {}).get("text/markdown", ""))
+                     for output in _outputs(notebook))
+
+
+def _show_calls(notebook) -> int:
+    return sum(cell.source.count("show(") for cell in notebook.cells if cell.cell_type == "code")
+
+
+def _notes(notebook) -> list[str]:
+    return [markdown for output in _outputs(notebook)
+            if NO_DATA in (markdown := str(output.get("data", {}).get("text/markdown", "")))]
+
+
+def test_every_chapter_of_the_article_has_a_notebook():
+    names = {path.stem for path in NOTEBOOKS}
+    assert {"ch01_flask_sync", "ch02_fastapi_async", "ch03_dynamic_batching", "ch04_memory_pool",
+            "ch05_inference_engine", "ch06_tuned_batching", "ch07_production", "ch08_continuous_batching",
+            "climb"} <= names
+    for path in NOTEBOOKS:
+        assert "## What to look at" in path.read_text(), f"{path.name} must end with 'what to look at'"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_draws_every_plot_from_synthetic_results(path: Path, synthetic_dirs):
+    notebook = execute(path, synthetic_dirs)  # raises on any cell error, an empty figure included
+    assert not [o for o in _outputs(notebook) if o.output_type == "error"]
+    assert NO_DATA not in _text(notebook)
+    assert _images(notebook) == _show_calls(notebook)  # one figure per show(...)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs_on_the_committed_reference(path: Path):
+    reference = REFERENCE_ROOT / "cpu"
+    notebook = execute(path, {"SFS_RESULTS_DIR": str(reference)})
+    recorded = all((reference / name).exists() for name in OWN_RECORDINGS.get(path.stem, ()))
+    if recorded:
+        assert _images(notebook) >= 1
+    notes = _notes(notebook)
+    assert _images(notebook) + len(notes) == _show_calls(notebook)  # every plot draws or says why not
+    for markdown in notes:  # a missing field is explained with the command that records it
+        assert "python -m benchmarks" in markdown or "python -m chapters.ch07_production.leakcheck" in markdown
+
+
+@pytest.mark.parametrize("name", sorted(OWN_RECORDINGS))
+def test_a_notebook_without_its_recordings_names_the_commands(name: str, tmp_path: Path):
+    notebook = execute(notebook_paths([name])[0], {"SFS_RESULTS_DIR": str(tmp_path)})
+    notes = "\n".join(_notes(notebook))
+    assert _images(notebook) == 0 and len(_notes(notebook)) == _show_calls(notebook)
+    for relative in OWN_RECORDINGS[name]:  # each missing file is named with the command that writes it
+        assert f"--out {tmp_path / relative}" in notes, relative
+
+
+def test_drain_plot_counts_what_the_timeline_holds():
+    from benchmarks.notebook_plots import check_figure, plot_drain_timeline
+
+    timeline = synthetic_drain_timeline(clients=3, exit_s=0.9)
+    answered = [r for r in timeline["requests"] if r["status"] == 200]
+    refused = [r for r in timeline["requests"] if r["status"] in (503, "no connection")]
+    assert answered and refused and all(r["start_s"] < 0 for r in answered)  # the story the plot must tell
+    figure = check_figure(plot_drain_timeline(timeline))
+    titles = [ax.get_title() for ax in figure.axes]
+    assert f"{len(timeline['requests'])} requests: {len(refused)} refused after the signal; 0 accepted before it " \
+           "and not answered" in titles
+    cut = {**timeline, "requests": [*timeline["requests"], {"start_s": -0.5, "end_s": 0.3, "status": "no connection"}]}
+    assert any("1 accepted before it and not answered" in ax.get_title() for ax in plot_drain_timeline(cut).axes)
+
+
+def test_leak_plot_draws_growth_from_the_warm_up():
+    from benchmarks.notebook_plots import plot_leak_curves
+
+    curves = {lesson: synthetic_leak_report(lesson, requests=1000, fail_share=0.2, leaked_mb_per_failure=0.5)
+              for lesson in ("leaky", "fixed")}
+    assert curves["leaky"]["leaking"] and not curves["fixed"]["leaking"]
+    tensors = plot_leak_curves(curves).axes[0]
+    lines = {line.get_label().split(":")[0]: line for line in tensors.lines}
+    assert lines["leaky"].get_ydata()[-1] == pytest.approx(200 * 0.5)  # 200 failed requests x 0.5 MiB kept each
+    assert max(abs(v) for v in lines["fixed"].get_ydata()) == 0
+
+
+def test_show_refuses_an_empty_panel():
+    from matplotlib.figure import Figure
+
+    from benchmarks.notebook_plots import check_figure
+
+    left, right = Figure().subplots(1, 2)
+    left.plot([1, 2], [3, 4])
+    right.set_title("nothing here")
+    with pytest.raises(AssertionError, match="nothing here"):
+        check_figure(left.figure)
+    right.bar([1], [2])
+    assert check_figure(left.figure) is left.figure
+    with pytest.raises(AssertionError):
+        check_figure(Figure())
+
+
+def test_leakcheck_writes_its_memory_curve_where_the_notebook_reads_it(tmp_path: Path):
+    from benchmarks.notebook_plots import load_leak_curves
+    from chapters.ch07_production import leakcheck
+
+    for lesson in ("leaky", "fixed"):
+        leakcheck.main(["--requests", "20", "--warmup", "4", "--samples", "2", "--fail-share", "0.5",
+                        "--leak-lesson", lesson, "--out", str(tmp_path / "ch07" / f"leak-{lesson}.json")])
+    curves = load_leak_curves(tmp_path)
+    for report in curves.values():
+        assert [point["requests"] for point in report["series"]] == [0, 10, 20]
+        assert report["series"][-1]["failed"] == report["failed"] > 0
+    with pytest.raises(SystemExit):
+        leakcheck.main(["--requests", "20", "--samples", "0", "--out", str(tmp_path / "bad.json")])
+
+
+@pytest.mark.slow
+def test_drain_recorder_against_a_real_server(tmp_path: Path):
+    import json
+
+    from benchmarks import drain_timeline
+    from benchmarks.notebook_plots import check_figure, plot_drain_timeline
+
+    out = tmp_path / "ch07" / "drain-timeline.json"
+    assert drain_timeline.main(["--out", str(out), "--clients", "2", "--max-new-tokens", "16",
+                                "--load-before-s", "1.5"]) == 0
+    timeline = json.loads(out.read_text())
+    assert timeline["exit_code"] == 0 and timeline["exit_s"] is not None
+    before = [r for r in timeline["requests"] if r["start_s"] < 0]
+    assert before and all(r["status"] == 200 for r in before)  # accepted before the signal: answered
+    assert {r["status"] for r in timeline["requests"] if r["start_s"] > 0} <= {503, "no connection"}
+    assert all(p["ready"] for p in timeline["polls"] if p["t_s"] < 0 and p["readyz_status"] is not None)
+    assert not any(p["ready"] for p in timeline["polls"] if p["t_s"] > 0.2)
+    check_figure(plot_drain_timeline(timeline))
