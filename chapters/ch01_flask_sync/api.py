@@ -76,22 +76,30 @@ def create_app(
 
     @app.errorhandler(ApiError)
     def _api_error(exc: ApiError) -> ResponseReturnValue:
+        # EXERCISE ch01.2 BEGIN "the contract's JSON errors: one handler per kind of failure"
         return _error_response(exc.status, exc.type, exc.message, exc.headers)
+        # EXERCISE ch01.2 END
 
     @app.errorhandler(RequestEntityTooLarge)
     def _too_large(exc: RequestEntityTooLarge) -> ResponseReturnValue:
+        # EXERCISE ch01.2 BEGIN "the contract's JSON errors: one handler per kind of failure"
         return _error_response(413, "body_too_large", f"request body exceeds the limit of {limits.max_body_bytes} bytes")
+        # EXERCISE ch01.2 END
 
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException) -> ResponseReturnValue:
+        # EXERCISE ch01.2 BEGIN "the contract's JSON errors: one handler per kind of failure"
         # Keep what the status needs (Allow on a 405) but not Werkzeug's HTML content type.
         headers = {k: v for k, v in exc.get_headers() if k.lower() != "content-type"}
         return _error_response(exc.code or 500, STATUS_ERROR_TYPES.get(exc.code, "http_error"), exc.description or exc.name, headers)
+        # EXERCISE ch01.2 END
 
     @app.errorhandler(Exception)
     def _unexpected(exc: Exception) -> ResponseReturnValue:
+        # EXERCISE ch01.2 BEGIN "the contract's JSON errors: one handler per kind of failure"
         app.logger.exception("request %s failed", _request_id())
         return _error_response(500, "internal_error", f"{type(exc).__name__}: {exc}")
+        # EXERCISE ch01.2 END
 
     @app.after_request
     def _tag_with_request_id(response):  # runs for error responses too
@@ -104,6 +112,11 @@ def create_app(
 
     @app.post("/v1/inference")
     def inference() -> ResponseReturnValue:
+        """Read and check the body, generate, answer with ``timings_ms``: parse, the backend's stages, total.
+
+        Times come from ``time.perf_counter`` and are reported in milliseconds.
+        """
+        # EXERCISE ch01.1 BEGIN "the request's life: parse, generate, answer, with its stage timings"
         started = time.perf_counter()
         request_id = _request_id()
         body = _read_body()
@@ -113,5 +126,6 @@ def create_app(
         timings = {"parse": (parsed - started) * 1e3, **stage_ms, "total": (time.perf_counter() - started) * 1e3}
         response = build_response(request_id, len(valid.input_ids), output_ids, tokenizer, timings)
         return jsonify(response.model_dump())
+        # EXERCISE ch01.1 END
 
     return app

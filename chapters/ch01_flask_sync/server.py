@@ -44,11 +44,15 @@ def torch_threads_per_worker(settings: FlaskSyncSettings) -> int:
     """Intra-op threads for each worker's model (0: torch's default, every core).
 
     With several workers and torch's default, each worker would spread every matrix product over
-    every core, and N workers would fight over the same cores. Unless told otherwise, split them.
+    every core, and N workers would fight over the same cores. Unless told otherwise, split them:
+    an explicit ``--torch-threads`` wins; one worker keeps torch's default (0); N workers get
+    ``os.cpu_count() // N`` each, at least 1.
     """
+    # EXERCISE ch01.3 BEGIN "split the cores between the workers"
     if settings.torch_threads or settings.workers == 1:
         return settings.torch_threads
     return max(1, (os.cpu_count() or 1) // settings.workers)
+    # EXERCISE ch01.3 END
 
 
 def build_app(settings: FlaskSyncSettings) -> Flask:

@@ -1,0 +1,124 @@
+"""The pytest side of the exercises (loaded by ``tests/conftest.py``).
+
+- A graded test says what it grades: ``@pytest.mark.exercise("ch03.1")`` (several ids allowed).
+- Each exercise marked in the chapters gets its own marker, so ``pytest -m ch03_1`` selects its
+  graded tests; ``pytest --exercise ch03.1`` does the same by id (repeatable).
+- ``EXERCISES_TREE=DIR`` (set by ``python -m exercises grade``): stop at once unless ``chapters``
+  and ``shared`` are imported from DIR, so an installed copy can never be graded by mistake.
+- ``EXERCISES_REPORT=FILE``: write each graded test's exercises, outcome and failure text as JSON
+  (the grade table is built from it).
+- ``EXERCISES_STUB_OWN=1`` (the meta-test, on a toggle tree only): while a graded test runs, its own
+  exercises are stubbed, so its failure shows what a learner who has not written them would see.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from exercises import toggle
+from exercises.markers import check_id, discover, marker_name
+
+EXERCISE_MARK = "exercise"
+TREE_ENV = "EXERCISES_TREE"
+REPORT_ENV = "EXERCISES_REPORT"
+STUB_OWN_ENV = "EXERCISES_STUB_OWN"
+
+
+def _chapters_root() -> Path:
+    import chapters
+
+    return Path(chapters.__file__).resolve().parent.parent
+
+
+def exercise_ids(item: pytest.Item) -> list[str]:
+    """The exercise ids a test grades (from its ``exercise`` markers)."""
+    ids = []
+    for mark in item.iter_markers(EXERCISE_MARK):
+        if not mark.args:
+            raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.exercise needs the exercise id, e.g. exercise('ch03.1')")
+        ids.extend(check_id(str(arg)) for arg in mark.args)
+    return ids
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--exercise", action="append", default=[], metavar="ID",
+        help="run only the graded tests of exercise ID (e.g. ch03.1); repeatable",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for exercise in discover(_chapters_root()):
+        config.addinivalue_line("markers", f"{exercise.marker_name}: graded tests of exercise {exercise.id} ({exercise.title})")
+    if os.environ.get(REPORT_ENV):
+        config.pluginmanager.register(ExerciseReport(Path(os.environ[REPORT_ENV])), "exercise-report")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    tree = os.environ.get(TREE_ENV)
+    if not tree:
+        return
+    tree_path = Path(tree).resolve()
+    import chapters
+    import shared
+
+    for package in (chapters, shared):
+        origin = Path(package.__file__).resolve()
+        if tree_path not in origin.parents:
+            pytest.exit(f"grading {tree_path}, but {package.__name__} was imported from {origin.parent}: "
+                        "run pytest with that tree as the working directory and first on PYTHONPATH", returncode=4)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m filters: the per-exercise markers must already be there
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    wanted = {check_id(i) for i in config.getoption("--exercise")}
+    selected, deselected = [], []
+    for item in items:
+        ids = exercise_ids(item)
+        for exercise_id in ids:
+            item.add_marker(marker_name(exercise_id))
+            item.user_properties.append(("exercise", exercise_id))
+        (selected if not wanted or wanted & set(ids) else deselected).append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = selected
+
+
+@pytest.fixture(autouse=True)
+def _stub_own_exercise(request: pytest.FixtureRequest) -> Iterator[None]:
+    """On a toggle tree with ``EXERCISES_STUB_OWN=1``: stub this test's own exercises while it runs."""
+    if not os.environ.get(STUB_OWN_ENV):
+        yield
+        return
+    toggle.set_stubbed(set(exercise_ids(request.node)))
+    try:
+        yield
+    finally:
+        toggle.set_stubbed(set())
+
+
+class ExerciseReport:
+    """Collects each graded test's outcome; writes them to ``EXERCISES_REPORT`` at the end."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.results: dict[str, dict] = {}  # nodeid -> {"exercises", "outcome", "text"}
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        ids = [value for name, value in report.user_properties if name == "exercise"]
+        if not ids:
+            return
+        entry = self.results.setdefault(report.nodeid, {"exercises": ids, "outcome": "passed", "text": ""})
+        if report.failed:
+            entry["outcome"] = "failed"
+            entry["text"] += f"[{report.when}] {report.longreprtext}\n"
+        elif report.skipped and entry["outcome"] == "passed":
+            entry["outcome"] = "skipped"
+
+    def pytest_sessionfinish(self) -> None:
+        self.path.write_text(json.dumps(self.results, indent=1), encoding="utf-8")

@@ -1,0 +1,205 @@
+"""The exercises are real: each one's graded tests fail when only it is stubbed and pass on the solution,
+a fully stubbed tree still imports with the same signatures, and READMEs, markers and tests agree.
+
+The per-exercise check runs once for all exercises: a *toggle tree* keeps every solution behind an
+``if is_stubbed("chNN.k"): raise NotImplementedError(...)``, and the pytest plugin stubs each graded
+test's own exercise while it runs (``EXERCISES_STUB_OWN``). One subprocess instead of one per exercise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from chapters import CHAPTERS
+from exercises.__main__ import main as exercises_main
+from exercises.grading import BLOCKED, NOT_ATTEMPTED, PASSED, grade, run_graded_tests
+from exercises.markers import STUB_ID_IN_TEXT, MarkerError, discover, parse_file
+from exercises.tree import repository_root, student_tree, write_tree
+
+ROOT = repository_root()
+TESTS = ROOT / "tests"
+EXERCISES = discover(ROOT)
+# What a graded run needs from the repository (the tests' conftest imports benchmarks and shared).
+TREE_PARTS = ["chapters", "shared", "benchmarks", "exercises", "tests", "pyproject.toml"]
+README_ENTRY = re.compile(r'<a id="exercise-(\d+)"></a>\s*(ch\d{2}\.\d+)\b')
+GRADED_MARK = re.compile(r'exercise\(\s*"(ch\d{2}\.\d+)"')
+
+
+def test_there_are_exercises_in_every_chapter_with_markers() -> None:
+    per_chapter = Counter(e.chapter for e in EXERCISES)
+    # Every chapter teaches at least three pieces a learner writes.
+    assert {chapter: per_chapter[chapter] for chapter in CHAPTERS if per_chapter[chapter] < 3} == {}
+    for exercise in EXERCISES:
+        assert exercise.title and exercise.regions
+
+
+def test_every_marked_exercise_has_a_readme_entry_and_every_entry_a_marker() -> None:
+    listed: dict[str, str] = {}
+    for readme_path in sorted((ROOT / "chapters").glob("ch*/README.md")):
+        folder = readme_path.parent.name
+        readme = readme_path.read_text(encoding="utf-8")
+        for anchor, exercise_id in README_ENTRY.findall(readme):
+            assert exercise_id.startswith(folder[:4]), f"{folder}/README.md lists {exercise_id}"
+            assert anchor == exercise_id.split(".")[1], f"{exercise_id} is anchored #exercise-{anchor}"
+            listed[exercise_id] = folder
+    marked = {e.id for e in EXERCISES}
+    assert sorted(marked - set(listed)) == [], "marked in the code but missing from its chapter README's Exercises"
+    assert sorted(set(listed) - marked) == [], "listed in a README but marked nowhere in the code"
+
+
+def test_every_marked_exercise_has_graded_tests_and_every_graded_test_an_exercise() -> None:
+    graded = set()
+    for path in sorted(TESTS.glob("test_exercises_ch*.py")):
+        graded |= set(GRADED_MARK.findall(path.read_text(encoding="utf-8")))
+    marked = {e.id for e in EXERCISES}
+    assert sorted(marked - graded) == [], "exercises without a graded test in tests/test_exercises_chNN.py"
+    assert sorted(graded - marked) == [], "graded tests of exercises that no marker defines"
+
+
+def test_each_exercises_tests_fail_with_only_it_stubbed_naming_it(tmp_path: Path) -> None:
+    tree = tmp_path / "toggle"
+    write_tree(ROOT, tree, EXERCISES, toggle=True, only=TREE_PARTS)
+    run = run_graded_tests(tree, EXERCISES, tests_dir=TESTS, stub_own=True)
+    assert run.returncode in (0, 1), run.output[-3000:]
+    problems = []
+    for exercise in EXERCISES:
+        mine = {nodeid: r for nodeid, r in run.results.items() if exercise.id in r["exercises"]}
+        if not mine:
+            problems.append(f"{exercise.id}: no graded test ran")
+        for nodeid, result in mine.items():
+            if result["outcome"] != "failed":
+                problems.append(f"{exercise.id}: {nodeid} {result['outcome']} with the exercise stubbed")
+            elif exercise.id not in STUB_ID_IN_TEXT.findall(result["text"]):
+                problems.append(f"{exercise.id}: {nodeid} failed without naming {exercise.id}:\n{result['text'][-800:]}")
+    assert problems == [], "\n".join(problems)
+
+
+@pytest.mark.slow  # the default suite runs every graded test on the solution already; this adds the grader's path
+def test_the_grader_passes_every_exercise_of_the_solution(tmp_path: Path) -> None:
+    junit = tmp_path / "results.xml"
+    run = run_graded_tests(ROOT, EXERCISES, tests_dir=TESTS, junit=junit)
+    grades = grade(EXERCISES, run)
+    assert {g.exercise.id: g.status for g in grades} == {e.id: PASSED for e in EXERCISES}, run.output[-3000:]
+    assert junit.read_text(encoding="utf-8").count("<testcase") == len(run.results)
+
+
+SIGNATURES = textwrap.dedent(
+    """
+    import importlib, inspect, json, pkgutil, sys
+    import chapters
+
+    out, helps = {}, {}
+    for info in pkgutil.walk_packages(chapters.__path__, "chapters."):
+        if info.name.endswith("__main__"):
+            continue
+        module = importlib.import_module(info.name)
+        for name, obj in vars(module).items():
+            if name.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
+                continue
+            if inspect.isfunction(obj):
+                out[f"{info.name}.{name}"] = str(inspect.signature(obj))
+            elif inspect.isclass(obj):
+                for attr, member in vars(obj).items():
+                    if inspect.isfunction(member) and (not attr.startswith("_") or attr == "__init__"):
+                        out[f"{info.name}.{name}.{attr}"] = str(inspect.signature(member))
+        if info.name.endswith(".server") and hasattr(module, "main"):
+            try:
+                module.main(["--help"])
+            except SystemExit as exit:
+                helps[info.name] = exit.code or 0
+    json.dump({"signatures": out, "help": helps}, sys.stdout)
+    """
+)
+
+
+def signatures_of(tree: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1"}
+    done = subprocess.run([sys.executable, "-c", SIGNATURES], cwd=tree, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout[done.stdout.index('{"signatures"'):])
+    # A default value's repr may hold an address (a lambda) or the tree's path: not part of the signature.
+    found["signatures"] = {name: re.sub(r" at 0x[0-9a-f]+", "", text).replace(str(tree), "<tree>") for name, text in found["signatures"].items()}
+    return found
+
+
+def test_a_fully_stubbed_tree_imports_starts_and_keeps_every_public_signature(tmp_path: Path) -> None:
+    tree = tmp_path / "student-all"
+    chosen, rewritten = student_tree(ROOT, tree, None, only=TREE_PARTS)
+    assert {e.id for e in chosen} == {e.id for e in EXERCISES} and rewritten
+    for relative in rewritten:
+        text = (tree / relative).read_text(encoding="utf-8")
+        for exercise in chosen:
+            if any(region.path == relative for region in exercise.regions):
+                assert f'raise NotImplementedError("{exercise.stub_message}")' in text
+    solution_tree = tmp_path / "solution"  # a copy taken now, like the student tree: the same snapshot
+    write_tree(ROOT, solution_tree, [], only=TREE_PARTS)
+    stubbed, solution = signatures_of(tree), signatures_of(solution_tree)
+    assert stubbed["signatures"] == solution["signatures"]
+    assert {f"chapters.{folder}.server" for folder in CHAPTERS.values()} <= set(stubbed["help"]), stubbed["help"]
+    assert set(stubbed["help"].values()) == {0}, "every chapter's command line still parses"
+    started = subprocess.run([sys.executable, "-m", "chapters.ch02_fastapi_async", "--help"], cwd=tree,
+                             env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True, timeout=120)
+    assert started.returncode == 0 and "--port" in started.stdout, started.stderr[-2000:]
+
+
+def test_a_chapter_3_student_tree_grades_its_exercises_as_not_attempted(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The instructor's path, by the command line: hand out chapter 3, then grade the untouched tree."""
+    tree = tmp_path / "student-ch03"
+    assert exercises_main(["student", "--chapter", "ch03", "--out", str(tree)]) == 0
+    assert (tree / "README.md").exists() and (tree / "shared" / "weights").is_dir(), "a whole repository"
+    chapter3 = [e for e in EXERCISES if e.chapter == "ch03"]
+    for exercise in chapter3:
+        for region in exercise.regions:
+            assert exercise.stub_message in (tree / region.path).read_text(encoding="utf-8")
+    junit = tmp_path / "ch03.xml"
+    capsys.readouterr()
+    assert exercises_main(["grade", "--tree", str(tree), "--chapter", "ch03", "--junit", str(junit)]) == 1
+    table = capsys.readouterr().out
+    # The first exercise hits its own stub; a later one may stop at an earlier one's stub first.
+    assert re.search(rf"^ch03\.1\s+{NOT_ATTEMPTED}\b", table, re.MULTILINE), table
+    for exercise in chapter3:
+        assert re.search(rf"^{re.escape(exercise.id)}\s+({NOT_ATTEMPTED}|{BLOCKED})\b", table, re.MULTILINE), table
+    assert junit.exists() and "ch03.1" in junit.read_text(encoding="utf-8")
+
+
+def test_the_grader_refuses_a_tree_whose_code_is_not_what_gets_imported(tmp_path: Path) -> None:
+    """EXERCISES_TREE names a tree, but the code comes from elsewhere: stop instead of grading the wrong code."""
+    tree = tmp_path / "elsewhere"
+    (tree / "chapters").mkdir(parents=True)
+    env = {**os.environ, "EXERCISES_TREE": str(tree)}
+    done = subprocess.run([sys.executable, "-m", "pytest", str(TESTS / "test_exercises_ch04.py"), "-q", "-p", "no:cacheprovider",
+                           "-m", "ch04_3"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 4 and "was imported from" in done.stdout + done.stderr, done.stdout[-2000:]
+
+
+def test_student_refuses_to_write_inside_the_repository_or_an_unknown_chapter(tmp_path: Path) -> None:
+    assert exercises_main(["student", "--chapter", "ch03", "--out", str(ROOT / "student-inside")]) == 2
+    assert not (ROOT / "student-inside").exists()
+    assert exercises_main(["student", "--chapter", "ch99", "--out", str(tmp_path / "x")]) == 2
+
+
+@pytest.mark.parametrize(
+    ("source", "complaint"),
+    [
+        ('def f():\n    # EXERCISE ch03.9 BEGIN "t"\n    return 1\n', "has no END"),
+        ('def f():\n    return 1\n    # EXERCISE ch03.9 END\n', "without its BEGIN"),
+        ('# EXERCISE ch03.9 BEGIN "t"\nX = 1\n# EXERCISE ch03.9 END\n', "inside a function body"),
+        ('def f():\n  # EXERCISE ch03.9 BEGIN "t"\n    return 1\n  # EXERCISE ch03.9 END\n', "indented like"),
+        ('def f():\n    # EXERCISE ch03.9 BEGIN t\n    return 1\n', "malformed"),
+    ],
+)
+def test_bad_markers_are_errors_not_silent_misses(tmp_path: Path, source: str, complaint: str) -> None:
+    path = tmp_path / "chapters" / "ch03_x" / "m.py"
+    path.parent.mkdir(parents=True)
+    path.write_text(source, encoding="utf-8")
+    with pytest.raises(MarkerError, match=complaint):
+        parse_file(tmp_path, path)
