@@ -1,0 +1,3 @@
+from chapters.ch07_production.server import main
+
+main()

@@ -1,0 +1,92 @@
+"""Deadlines and disconnects: how long one request may take, and when nobody waits for it any more.
+
+A request past its deadline gets 504 with the contract's error body. The handler's await is
+cancelled: a request still in the batcher's queue leaves it at once (chapter 3's ``submit`` path)
+and gives its admission slot back. A request whose batch already started cannot be pulled out of
+that batch (batching is per request until chapter 8): the client hears 504 now, the row finishes
+computing, and its KV range returns to the pool when the batch ends.
+
+A client that hangs up is treated the same way (:func:`until_disconnected`): chapter 3's batcher
+drops one that left while *queued* (499); here the handler also watches a request while it *runs*,
+polling the connection, and cancels its await when the client is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from shared.schemas import ApiError
+
+log = logging.getLogger("chapters.ch07_production.deadlines")
+
+TIMEOUT_HEADER = "X-Request-Timeout-S"
+
+T = TypeVar("T")
+
+
+def effective_timeout(server_timeout_s: float, header_value: str | None) -> float:
+    """The deadline, in seconds, that applies to one request.
+
+    ``server_timeout_s`` is the server's limit; a client may ask for a shorter one with the
+    ``X-Request-Timeout-S`` header (a positive number of seconds), never a longer one: a larger value
+    is capped at the server's. A header that is not a positive finite number raises 422.
+    """
+    # EXERCISE ch07.1 BEGIN "the deadline: the server's limit, or the client's if shorter"
+    if header_value is None or header_value.strip() == "":
+        return server_timeout_s
+    try:
+        asked = float(header_value)
+    except ValueError:
+        raise ApiError(422, "invalid_request", f"{TIMEOUT_HEADER}: {header_value!r} is not a number of seconds") from None
+    if not asked > 0 or asked == float("inf"):  # also rejects NaN
+        raise ApiError(422, "invalid_request", f"{TIMEOUT_HEADER}: must be a positive number of seconds, got {header_value!r}")
+    return min(asked, server_timeout_s)
+    # EXERCISE ch07.1 END
+
+
+async def within_deadline(work: Awaitable[T], timeout_s: float) -> T:
+    """Await ``work``; past ``timeout_s`` cancel it and raise 504 ``deadline_exceeded``."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await work
+    except TimeoutError:
+        raise ApiError(504, "deadline_exceeded", f"the request did not finish within its deadline of {timeout_s:g} s") from None
+
+
+# What the handler ends with when its client left while the request was queued or running (nginx's
+# 499, as chapter 3's batcher answers for a client gone while queued). Nobody reads this answer:
+# the status is for the metrics (kind "disconnected") and the request's log line.
+DISCONNECTED_STATUS = 499
+
+
+async def until_disconnected(work: Awaitable[T], is_disconnected: Callable[[], Awaitable[bool]], poll_s: float) -> T:
+    """Await ``work`` while asking ``is_disconnected`` every ``poll_s`` seconds; if the client is gone, cancel it.
+
+    Returns ``work``'s result, or raises 499 ``client_disconnected`` once ``is_disconnected()``
+    answers True (``work`` is cancelled first: a queued request leaves the queue and gives back its
+    admission slot; a running one leaves nothing behind but its row, freed when its batch ends).
+    A check that raises cannot tell: it is logged and the work goes on.
+    """
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            # asyncio.wait does not cancel the task on timeout: each turn is one look at the client.
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            try:
+                gone = await is_disconnected()
+            except Exception:
+                log.exception("is_disconnected failed; the request goes on")
+                gone = False
+            if gone:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise ApiError(DISCONNECTED_STATUS, "client_disconnected", "the client disconnected while its request was running")
+    finally:
+        # Cancelled from outside (the deadline): take the work down with the watcher.
+        if not task.done():
+            task.cancel()

@@ -1,0 +1,301 @@
+"""Chapter 7: production. Chapter 6's server, wrapped in what keeps it alive and visible.
+
+Nothing about how a batch is computed changes: each model version is chapter 6's backend (adaptive
+batcher, engine, KV pool, admission control), built by chapter 6's ``build_backend``. What this
+chapter adds sits around it, in :class:`ProductionBackend` and a few routes:
+
+- ``/livez``: the event loop answers. ``/readyz``: a model is loaded, the server is not draining,
+  and the last periodic real forward pass (``health.py``) passed in time. ``/healthz`` stays.
+- SIGTERM drains (``drain.py``): readiness 503 at once, new requests 503 + Retry-After, accepted
+  ones finish, exit when idle or at ``--drain-timeout-s``.
+- Deadlines (``deadlines.py``): ``--request-timeout-s``, or a shorter ``X-Request-Timeout-S``: 504.
+  A client that disconnects, queued or running, is cancelled the same way (499, counted as
+  ``disconnected``).
+- ``/metrics`` (``metrics.py``) and one JSON log line per request (``request_log.py``).
+- ``POST /admin/models`` (``model_registry.py``): load a version beside the running one, route new
+  requests to it, unload the old one when its last request is done.
+- ``--leak-lesson leaky|fixed`` and ``leakcheck.py``: the article's leak, reproduced and caught.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import tracemalloc
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, Field, ValidationError
+
+from chapters.ch02_fastapi_async.api import DisconnectCheck, Generated, create_app
+from chapters.ch04_memory_pool.server import PooledBackend
+from chapters.ch06_tuned_batching.server import TunedSettings, apply_tuned_config, build_backend
+from chapters.ch07_production.deadlines import TIMEOUT_HEADER, effective_timeout, until_disconnected, within_deadline
+from chapters.ch07_production.drain import DrainController, DrainingServer
+from chapters.ch07_production.health import ReadinessProbe, forward_probe
+from chapters.ch07_production.metrics import StateCollector, build_registry
+from chapters.ch07_production.model_registry import MODEL_VERSION_HEADER, ModelRegistry, ModelVersion
+from chapters.ch07_production.request_log import RequestContext, RequestObserver, configure_json_logging, current_request
+from shared.devices import choose_device, memory_snapshot, set_threads
+from shared.schemas import ApiError, ValidRequest
+from shared.settings import parse_settings
+from shared.weights import LoadedModel, load_model
+
+log = logging.getLogger("chapters.ch07_production")
+
+# Builds one version's backend from its loaded model; tests pass one with a slow or failing runner.
+BackendFactory = Callable[[TunedSettings, LoadedModel], PooledBackend]
+
+
+class ProductionSettings(TunedSettings):
+    """Chapter 6's knobs plus the production ones."""
+
+    drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, wait this long for accepted requests before exiting")
+    request_timeout_s: float = Field(60.0, gt=0, description="deadline of every request (504 past it); X-Request-Timeout-S may shorten it")
+    disconnect_poll_s: float = Field(0.1, gt=0, description="how often a running request checks that its client is still connected")
+    probe_interval_s: float = Field(5.0, gt=0, description="seconds between readiness probes (a real prefill + decode)")
+    probe_timeout_s: float = Field(2.0, gt=0, description="a probe slower than this makes the server not ready")
+    admin_token: str = Field("", description="bearer token of POST /admin/models (empty: the admin API is off)")
+    model_version: str = Field("v1", description="name of the version loaded at start-up")
+    seed: int = Field(0, ge=0, description="seed of --weights dummy")
+    max_unload_wait_s: float = Field(60.0, ge=0, description="a replaced version unloads when idle, or after this long anyway")
+    keep_alive_s: float = Field(75.0, gt=0, description="idle keep-alive of client connections (longer than a load balancer's idle timeout)")
+    memory_snapshots: bool = Field(
+        False, description="log the memory in use at each stage of every request (RSS and tracemalloc; CUDA allocated/reserved)")
+    leak_lesson: Literal["off", "leaky", "fixed"] = Field(
+        "off", description="keep a per-request intermediate tensor: leaky = the article's bug (failed requests keep it), fixed = released in finally")
+
+
+class LoadRequest(BaseModel):
+    """The body of ``POST /admin/models``."""
+
+    version: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._\-]+$")
+    weights: str = Field("dummy", description="dummy | default | path to a .safetensors file")
+    seed: int = Field(0, ge=0)
+    retire_previous: bool = True
+
+
+class ProductionBackend:
+    """Chapter 2's Backend protocol over model versions, with drain, deadlines and readiness."""
+
+    def __init__(self, settings: ProductionSettings, registry: ModelRegistry, first: ModelVersion,
+                 drain: DrainController, probe: ReadinessProbe) -> None:
+        self.settings, self.registry, self.first, self.drain, self.probe = settings, registry, first, drain, probe
+        config, model = first.loaded.config, first.loaded.model
+        self.staging: dict[int, torch.Tensor] = {}  # per request in flight (see _generate_on)
+        self.staging_shape, self.staging_device = (config.n_ctx, config.n_embd), model.device
+
+    async def start(self) -> None:
+        await self.registry.add(self.first)
+        self.first = None
+        self.probe.start()
+
+    def readiness(self) -> tuple[bool, str]:
+        """(ready, why): what ``/readyz`` answers."""
+        if self.drain.draining:
+            return False, "draining"
+        if self.registry.newest() is None:
+            return False, "loading"
+        last = self.probe.last
+        if last is None:
+            return False, "starting: no probe has run yet"
+        return last.ok, last.reason
+
+    async def generate(self, request: ValidRequest, is_disconnected: DisconnectCheck) -> Generated:
+        context = current_request.get()
+        headers = context.headers if context is not None else {}
+        timeout_s = effective_timeout(self.settings.request_timeout_s, headers.get(TIMEOUT_HEADER.lower()))
+        self.snapshot(context, "arrival")
+        self.drain.enter()
+        try:
+            version = self.registry.route(headers.get(MODEL_VERSION_HEADER.lower()))
+            if context is not None:
+                context.model_version, context.input_tokens = version.name, len(request.input_ids)
+            with version.use() as backend:
+                self.snapshot(context, "routed")
+                try:
+                    result = await self._generate_on(backend, request, is_disconnected, timeout_s)
+                finally:
+                    self.snapshot(context, "generated")
+        finally:
+            self.drain.exit()
+        if context is not None:
+            context.output_tokens, context.timings_ms = len(result.output_ids), dict(result.timings_ms)
+            context.backend_done = time.perf_counter()
+        return result
+
+    def snapshot(self, context: RequestContext | None, stage: str) -> None:
+        """With ``--memory-snapshots``: the memory in use as the request enters ``stage``, for its log line.
+
+        RSS and, when tracing, the Python heap tracemalloc follows (the server starts tracing with the
+        flag); on CUDA what torch allocated and reserved. A figure that grows from arrival to
+        generated, request after request, and never comes back is where to look for a leak.
+        """
+        if not self.settings.memory_snapshots or context is None:
+            return
+        figures = memory_snapshot(self.staging_device)
+        if tracemalloc.is_tracing():
+            figures["python_traced_bytes"] = tracemalloc.get_traced_memory()[0]
+        context.memory = {**(context.memory or {}), stage: figures}
+
+    async def _generate_on(self, backend: PooledBackend, request: ValidRequest, is_disconnected: DisconnectCheck,
+                           timeout_s: float) -> Generated:
+        # A per-request intermediate on the model's device (here: the prompt's ids staged in a
+        # context-sized buffer), kept in a table while the request is in flight so a memory report
+        # can attribute it. What matters is the way out of the table.
+        if self.settings.leak_lesson == "off":
+            return await self._watched(backend, request, is_disconnected, timeout_s)
+        key = id(request)
+        self.staging[key] = torch.zeros(self.staging_shape, device=self.staging_device)
+        if self.settings.leak_lesson == "leaky":
+            # THE ARTICLE'S LEAK: released on the success path only. A request that fails (504,
+            # 500, 429...) raises past the release, and its buffer stays in the table for good.
+            result = await self._watched(backend, request, is_disconnected, timeout_s)
+            del self.staging[key]
+            return result
+        # EXERCISE ch07.4 BEGIN "the fix: release the request's intermediate on every path"
+        try:
+            return await self._watched(backend, request, is_disconnected, timeout_s)
+        finally:
+            del self.staging[key]
+        # EXERCISE ch07.4 END
+
+    async def _watched(self, backend: PooledBackend, request: ValidRequest, is_disconnected: DisconnectCheck,
+                       timeout_s: float) -> Generated:
+        # The backend call, cancelled past its deadline (504) or when its client hangs up (499).
+        watched = until_disconnected(backend.generate(request, is_disconnected), is_disconnected, self.settings.disconnect_poll_s)
+        return await within_deadline(watched, timeout_s)
+
+    def health(self) -> dict:
+        ready, reason = self.readiness()
+        newest = self.registry.newest()
+        return {"chapter": "ch07", "model": newest.source if newest else None,
+                "ready": ready, "reason": reason, "draining": self.drain.draining,
+                "versions": {v.name: {"source": v.source, "in_flight": v.in_flight, "retired": v.retired}
+                             for v in self.registry.versions.values()}}
+
+    def stats(self) -> dict:
+        newest = self.registry.newest()
+        versions = {v.name: v.backend.stats() for v in self.registry.versions.values() if v.backend is not None}
+        top = versions.get(newest.name, {}) if newest is not None else {}
+        return {**top, **self.health(), "in_flight": self.drain.in_flight, "model_versions": versions,
+                "unloaded": [vars(u) for u in self.registry.unloaded]}
+
+    async def close(self) -> None:
+        await self.probe.close()
+        await self.registry.close()
+
+
+def build_version(settings: ProductionSettings, name: str, weights: str, seed: int,
+                  backend_factory: BackendFactory = build_backend) -> ModelVersion:
+    """Load ``weights`` and build chapter 6's backend for it (blocking: run it off the event loop)."""
+    loaded = load_model(weights, settings.preset, choose_device(settings.device), settings.torch_dtype, seed=seed)
+    return ModelVersion(name, loaded, backend_factory(settings, loaded))
+
+
+def build_app(settings: ProductionSettings, backend_factory: BackendFactory = build_backend,
+              probe: Callable[[], None] | None = None) -> FastAPI:
+    """The server. ``backend_factory`` builds each version's backend; ``probe`` replaces the readiness probe."""
+    set_threads(settings.torch_threads)
+    if settings.memory_snapshots and not tracemalloc.is_tracing():
+        tracemalloc.start()  # costs every allocation some time: only behind the flag
+    first = build_version(settings, settings.model_version, settings.weights, settings.seed, backend_factory)
+    limits = settings.limits(first.loaded.config.vocab_size, first.loaded.config.n_ctx)
+    registry = ModelRegistry(settings.max_unload_wait_s)
+    drain = DrainController(settings.drain_timeout_s)
+
+    def probe_newest() -> None:
+        newest = registry.newest()
+        if newest is None or newest.loaded is None:
+            raise RuntimeError("no model version is loaded")
+        forward_probe(newest.loaded.model, newest.loaded.tokenizer.pad_id)()
+
+    readiness = ReadinessProbe(probe or probe_newest, settings.probe_interval_s, settings.probe_timeout_s)
+    backend = ProductionBackend(settings, registry, first, drain, readiness)
+    app = create_app(title="ch07 production", limits=limits, tokenizer=first.loaded.tokenizer, backend=backend)
+    device = first.loaded.model.device
+
+    def serving() -> list[tuple]:
+        return [(v.name, v.source, v.backend, v.in_flight) for v in list(registry.versions.values()) if v.backend is not None]
+
+    metrics_registry, request_metrics = build_registry(
+        StateCollector(serving, lambda: device, lambda: backend.readiness()[0]))
+    app.add_middleware(RequestObserver, metrics=request_metrics)
+    app.state.production = backend
+    app.state.drain = drain
+    app.state.registry = registry
+
+    @app.get("/livez")
+    async def livez() -> dict:
+        return {"status": "alive"}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        ready, reason = backend.readiness()
+        return JSONResponse({"ready": ready, "reason": reason}, status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)
+
+    def authorize(request: Request) -> None:
+        given = request.headers.get("authorization", "")
+        if not given.startswith("Bearer "):
+            raise ApiError(401, "unauthorized", "send Authorization: Bearer <admin token>", {"WWW-Authenticate": "Bearer"})
+        if not settings.admin_token or not hmac.compare_digest(given.removeprefix("Bearer ").encode(), settings.admin_token.encode()):
+            raise ApiError(403, "forbidden", "the admin token is wrong (or the admin API is off: --admin-token)")
+
+    @app.get("/admin/models")
+    async def list_models(request: Request) -> dict:
+        authorize(request)
+        return {"versions": backend.health()["versions"], "unloaded": [vars(u) for u in registry.unloaded]}
+
+    @app.post("/admin/models", status_code=201)
+    async def load_version(request: Request) -> dict:
+        authorize(request)
+        try:
+            asked = LoadRequest.model_validate_json(await request.body())
+        except ValidationError as exc:
+            raise ApiError(422, "invalid_request", str(exc)) from None
+        if asked.version in registry.versions:
+            raise ApiError(409, "version_exists", f"model version {asked.version!r} is already loaded")
+        started = time.perf_counter()
+        try:
+            version = await asyncio.to_thread(build_version, settings, asked.version, asked.weights, asked.seed, backend_factory)
+        except (ValueError, FileNotFoundError) as exc:
+            raise ApiError(422, "invalid_weights", str(exc)) from None
+        config = version.loaded.config
+        if (config.vocab_size, config.n_ctx) != (limits.vocab_size, limits.n_ctx):
+            raise ApiError(422, "incompatible_model",
+                           f"vocabulary {config.vocab_size} / context {config.n_ctx} differ from the served "
+                           f"{limits.vocab_size} / {limits.n_ctx}: requests checked for one would not fit the other")
+        await registry.add(version, retire_previous=asked.retire_previous)
+        return {"version": version.name, "source": version.source, "load_s": round(time.perf_counter() - started, 3)}
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings = apply_tuned_config(parse_settings(ProductionSettings, argv, prog="python -m chapters.ch07_production"))
+    configure_json_logging(settings.log_level)
+    app = build_app(settings)
+    # Keep idle connections longer than the load balancer or client pool in front does (commonly
+    # 60 s): a server that closes first races a client reusing the connection, which sees a reset.
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            access_log=False, log_config=None, timeout_graceful_shutdown=5,
+                            timeout_keep_alive=settings.keep_alive_s)
+    server = DrainingServer(config, app.state.drain)
+    server.run()
+    if server.drain_report is not None and server.drain_report.cut_off:
+        log.warning("exited with %d requests cut off by the drain timeout", server.drain_report.cut_off)
+
+
+if __name__ == "__main__":
+    main()

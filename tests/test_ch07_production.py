@@ -1,0 +1,342 @@
+"""Chapter 7 in-process: deadlines, readiness, drain, metrics, JSON logs, hot reload.
+
+The real app runs on the test's event loop (httpx's ASGI transport, lifespan entered by hand). A
+gate held by the test stops the model inside its decode step, so a batch stays on the device
+exactly as long as the test wants; the test waits for states, not for time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import weakref
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from pythonjsonlogger.json import JsonFormatter
+
+from chapters.ch06_tuned_batching.server import build_backend
+from chapters.ch07_production.request_log import REQUEST_LOG
+from chapters.ch07_production.server import ProductionSettings, build_app
+from shared.generation import reference_greedy
+
+PROMPT = [5, 6, 7, 8]
+
+
+class GatedModel:
+    """The engine, except that each decode step waits for the test's gate."""
+
+    def __init__(self, inner, gate: threading.Event) -> None:
+        self.inner, self.gate, self.config = inner, gate, inner.config
+
+    @property
+    def device(self):
+        return self.inner.device
+
+    @property
+    def dtype(self):
+        return self.inner.dtype
+
+    def prefill(self, *args):
+        return self.inner.prefill(*args)
+
+    def decode(self, *args):
+        self.gate.wait(timeout=60)
+        return self.inner.decode(*args)
+
+
+def settings(**overrides) -> ProductionSettings:
+    base = dict(weights="default", device="cpu", engine="eager", precision="fp32", tuned_config="none",
+                min_batch=1, max_batch=8, window_ms=0.0, min_window_ms=0.0, fallback_slots=0,
+                pool_tokens=4 * 512, probe_interval_s=3600, admin_token="secret", max_unload_wait_s=30)
+    return ProductionSettings(**{**base, **overrides})
+
+
+def gated_app(gate: threading.Event, **overrides):
+    def factory(config, loaded):
+        backend = build_backend(config, loaded)
+        backend.runner.model = GatedModel(backend.runner.model, gate)
+        return backend
+    return build_app(settings(**overrides), backend_factory=factory)
+
+
+async def until(condition, max_turns: int = 200_000) -> None:
+    for _ in range(max_turns):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the server never reached the expected state")
+
+
+async def run(app, scenario) -> None:
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://ch07", timeout=60) as client:
+            await scenario(client)
+
+
+def infer(client, prompt=PROMPT, new_tokens=3, headers=None):
+    return client.post("/v1/inference", json={"input_ids": prompt, "max_new_tokens": new_tokens}, headers=headers or {})
+
+
+def pool_blocks_used(stats: dict) -> int:
+    return sum(v["pool"]["blocks_used"] for v in stats["model_versions"].values())
+
+
+def test_a_request_past_its_deadline_gets_504_and_its_batch_mates_and_the_pool_are_unaffected(oracle) -> None:
+    gate = threading.Event()
+    app = gated_app(gate, min_batch=2)
+    version = lambda: app.state.registry.newest()  # noqa: E731
+
+    async def scenario(client) -> None:
+        late = asyncio.create_task(infer(client, headers={"X-Request-Timeout-S": "0.2"}))
+        patient = asyncio.create_task(infer(client, prompt=[9, 10, 11]))
+        await until(lambda: version().backend.runner.pool.stats().blocks_used > 0)  # both are in the running batch
+        answer = await late
+        assert answer.status_code == 504
+        assert answer.json()["error"]["type"] == "deadline_exceeded"
+        # queued behind the running batch, then past its deadline: it leaves the queue
+        queued = asyncio.create_task(infer(client, headers={"X-Request-Timeout-S": "0.2"}))
+        assert (await queued).status_code == 504
+        assert version().backend.batcher.queued == 0
+        gate.set()
+        ok = await patient
+        assert ok.status_code == 200
+        assert ok.json()["output_ids"] == oracle([9, 10, 11], 3)
+        await until(lambda: version().backend.runner.pool.stats().blocks_used == 0)
+        assert pool_blocks_used((await client.get("/stats")).json()) == 0
+        assert (await infer(client)).json()["output_ids"] == oracle(PROMPT, 3)
+
+    asyncio.run(run(app, scenario))
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "0", "nan", "inf"])
+def test_a_bad_timeout_header_is_a_422(value: str) -> None:
+    app = build_app(settings())
+
+    async def scenario(client) -> None:
+        answer = await infer(client, headers={"X-Request-Timeout-S": value})
+        assert answer.status_code == 422
+        assert "X-Request-Timeout-S" in answer.json()["error"]["message"]
+
+    asyncio.run(run(app, scenario))
+
+
+def test_readiness_follows_a_real_probe_and_liveness_does_not() -> None:
+    verdict = {"fail": None}
+
+    def probe() -> None:
+        if verdict["fail"] == "raise":
+            raise RuntimeError("CUDA error: device-side assert")
+        if verdict["fail"] == "hang":
+            threading.Event().wait(1.0)
+
+    app = build_app(settings(probe_timeout_s=0.2), probe=probe)
+    production = app.state.production
+
+    async def scenario(client) -> None:
+        await production.probe.passed.wait()
+        assert (await client.get("/readyz")).status_code == 200
+        verdict["fail"] = "raise"
+        await production.probe.run_once()
+        answer = await client.get("/readyz")
+        assert answer.status_code == 503 and "device-side assert" in answer.json()["reason"]
+        assert (await client.get("/livez")).status_code == 200
+        verdict["fail"] = "hang"
+        await production.probe.run_once()
+        assert "longer than" in (await client.get("/readyz")).json()["reason"]
+        verdict["fail"] = None
+        await production.probe.run_once()  # the hung probe may still be running: no second one starts
+        await asyncio.sleep(1.0)  # let the hung probe's thread return (a thread cannot be awaited otherwise)
+        await production.probe.run_once()
+        assert (await client.get("/readyz")).status_code == 200
+
+    asyncio.run(run(app, scenario))
+
+
+def test_the_real_probe_runs_a_forward_pass_through_the_served_model() -> None:
+    app = build_app(settings())
+
+    async def scenario(client) -> None:
+        result = await app.state.production.probe.run_once()
+        assert result.ok, result.reason
+        app.state.registry.newest().loaded.model.wte = None  # break the weights: the probe must notice
+        assert not (await app.state.production.probe.run_once()).ok
+
+    asyncio.run(run(app, scenario))
+
+
+def test_drain_refuses_new_requests_with_503_and_finishes_accepted_ones(oracle) -> None:
+    gate = threading.Event()
+    app = gated_app(gate)
+    drain = app.state.drain
+
+    async def scenario(client) -> None:
+        accepted = asyncio.create_task(infer(client))
+        await until(lambda: drain.in_flight == 1)
+        draining = asyncio.create_task(drain.drain())
+        await until(lambda: drain.draining)
+        assert (await client.get("/readyz")).status_code == 503
+        refused = await infer(client)
+        assert refused.status_code == 503 and refused.json()["error"]["type"] == "draining"
+        assert int(refused.headers["Retry-After"]) >= 1
+        assert not draining.done()
+        gate.set()
+        assert (await accepted).json()["output_ids"] == oracle(PROMPT, 3)
+        report = await draining
+        assert report.cut_off == 0
+
+    asyncio.run(run(app, scenario))
+
+
+def test_drain_gives_up_at_its_timeout_and_reports_what_it_cut_off() -> None:
+    gate = threading.Event()
+    app = gated_app(gate, drain_timeout_s=0.2)
+
+    async def scenario(client) -> None:
+        stuck = asyncio.create_task(infer(client))
+        await until(lambda: app.state.drain.in_flight == 1)
+        report = await app.state.drain.drain()
+        assert report.cut_off == 1
+        gate.set()
+        await stuck
+
+    asyncio.run(run(app, scenario))
+
+
+def metric_samples(text: str) -> dict[str, list]:
+    samples: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append(sample)
+    return samples
+
+
+def total(samples, name: str, **labels) -> float:
+    return sum(s.value for s in samples.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_metrics_hold_every_series_and_they_move_with_requests() -> None:
+    app = build_app(settings())
+
+    async def scenario(client) -> None:
+        before = metric_samples((await client.get("/metrics")).text)
+        for _ in range(3):
+            assert (await infer(client)).status_code == 200
+        assert (await infer(client, headers={"X-Request-Timeout-S": "0.000001"})).status_code == 504
+        after = metric_samples((await client.get("/metrics")).text)
+        assert total(after, "inference_request_latency_seconds_count") - total(before, "inference_request_latency_seconds_count") == 4
+        assert total(after, "inference_request_total", status="200") == 3
+        assert total(after, "inference_request_total", status="504") == 1
+        assert total(after, "inference_errors_total", kind="timeout", type="deadline_exceeded") == 1
+        assert total(after, "inference_tokens_generated_total") == 9
+        for stage in ("admission", "queue", "prefill", "decode", "postprocess"):
+            assert total(after, "inference_stage_latency_seconds_count", stage=stage) == 3, stage
+        assert total(after, "inference_batch_size_count") == 3
+        assert total(after, "inference_kv_pool_slot_bytes_total", kind="reserved") > total(before, "inference_kv_pool_slot_bytes_total", kind="reserved")
+        assert total(after, "inference_kv_pool_bytes", state="total") > 0
+        assert total(after, "inference_kv_pool_bytes", state="reserved") == 0
+        assert "inference_queue_length" in after
+        assert total(after, "inference_device_memory_bytes", kind="process_rss") > 0
+        assert total(after, "inference_model_info", version="v1") == 1
+
+    asyncio.run(run(app, scenario))
+
+
+def test_one_json_log_line_per_request_with_its_id_and_never_the_prompt(caplog) -> None:
+    app = build_app(settings())
+    secret = "my password is hunter2"
+    caplog.set_level(logging.INFO, logger=REQUEST_LOG)
+
+    async def scenario(client) -> None:
+        ok = await client.post("/v1/inference", json={"prompt": secret, "max_new_tokens": 4}, headers={"X-Request-ID": "trace-42"})
+        assert ok.headers["X-Request-ID"] == "trace-42"
+        bad = await client.post("/v1/inference", json={"prompt": secret, "max_new_tokens": 0})
+        assert bad.status_code == 422
+
+    asyncio.run(run(app, scenario))
+    formatter = JsonFormatter("{asctime}{levelname}{name}{message}", style="{")
+    lines = [json.loads(formatter.format(r)) for r in caplog.records if r.name == REQUEST_LOG]
+    assert len(lines) == 2
+    first, second = lines
+    assert first["request_id"] == "trace-42" and first["status"] == 200 and first["model_version"] == "v1"
+    assert first["input_tokens"] == len(secret.encode()) and first["output_tokens"] == 4
+    assert {"queue", "prefill", "decode"} <= set(first["stages_ms"])
+    assert second["status"] == 422 and second["error_type"] == "invalid_request" and second["request_id"] != "trace-42"
+    assert all("hunter2" not in json.dumps(line) for line in lines)
+
+
+def test_memory_snapshots_log_each_stage_of_a_request_behind_a_flag(caplog) -> None:
+    import tracemalloc
+
+    caplog.set_level(logging.INFO, logger=REQUEST_LOG)
+    was_tracing = tracemalloc.is_tracing()
+    app = build_app(settings(memory_snapshots=True))
+    try:
+        async def scenario(client) -> None:
+            assert (await client.post("/v1/inference", json={"input_ids": [5, 6], "max_new_tokens": 3})).status_code == 200
+
+        asyncio.run(run(app, scenario))
+    finally:
+        if not was_tracing:
+            tracemalloc.stop()
+    formatter = JsonFormatter("{asctime}{levelname}{name}{message}", style="{")
+    [line] = [json.loads(formatter.format(r)) for r in caplog.records if r.name == REQUEST_LOG]
+    assert list(line["memory"]) == ["arrival", "routed", "generated"]
+    for figures in line["memory"].values():
+        assert figures["process_rss_bytes"] > 0 and figures["python_traced_bytes"] > 0
+
+    caplog.clear()
+    asyncio.run(run(build_app(settings()), scenario))  # without the flag: no snapshots, no cost
+    [line] = [json.loads(formatter.format(r)) for r in caplog.records if r.name == REQUEST_LOG]
+    assert "memory" not in line
+
+
+def test_admin_needs_the_token() -> None:
+    app = build_app(settings())
+
+    async def scenario(client) -> None:
+        assert (await client.post("/admin/models", json={"version": "v2"})).status_code == 401
+        wrong = await client.post("/admin/models", json={"version": "v2"}, headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 403
+        assert list(app.state.registry.versions) == ["v1"]
+
+    asyncio.run(run(app, scenario))
+
+
+def test_hot_reload_under_load_fails_nothing_and_unloads_the_old_version(oracle) -> None:
+    app = build_app(settings())
+    old_model = weakref.ref(app.state.production.first.loaded.model)
+    admin = {"Authorization": "Bearer secret"}
+    dummy = __import__("shared.weights", fromlist=["load_model"]).load_model("dummy", seed=7)
+
+    async def scenario(client) -> None:
+        stop = asyncio.Event()
+        answers: list[httpx.Response] = []
+
+        async def client_loop() -> None:
+            while not stop.is_set():
+                answers.append(await infer(client))
+
+        clients = [asyncio.create_task(client_loop()) for _ in range(3)]
+        await until(lambda: len(answers) >= 3)
+        loaded = await client.post("/admin/models", json={"version": "v2", "weights": "dummy", "seed": 7}, headers=admin)
+        assert loaded.status_code == 201, loaded.text
+        await until(lambda: "v1" not in app.state.registry.versions)
+        count = len(answers)
+        await until(lambda: len(answers) >= count + 3)
+        stop.set()
+        await asyncio.gather(*clients)
+        assert all(a.status_code == 200 for a in answers), {a.status_code for a in answers}
+        outputs = {tuple(a.json()["output_ids"]) for a in answers}
+        assert outputs <= {tuple(oracle(PROMPT, 3)), tuple(reference_greedy(dummy.model, PROMPT, 3))}
+        assert tuple(reference_greedy(dummy.model, PROMPT, 3)) in outputs
+        assert (await infer(client, headers={"X-Model-Version": "v1"})).status_code == 404
+        assert app.state.registry.unloaded[0].name == "v1" and not app.state.registry.unloaded[0].forced
+
+    asyncio.run(run(app, scenario))
+    import gc
+    gc.collect()
+    assert old_model() is None, "the old version's weights are still referenced after its unload"
