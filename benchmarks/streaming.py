@@ -1,0 +1,245 @@
+"""Streaming measurement: time to first token, time per output token, inter-token latency, goodput.
+
+The Locust harness measures whole responses. A streaming server is felt token by token, so this
+client reads each response as it arrives and records when every token came, with vLLM's benchmark
+definitions (``benchmarks/benchmark_serving.py`` there):
+
+- **TTFT**, time to first token: from sending the request to receiving its first token;
+- **TPOT**, time per output token: ``(E2E - TTFT) / (output tokens - 1)`` per request (the first
+  token excluded), for requests of more than one token;
+- **ITL**, inter-token latency: every gap between two consecutive tokens of a request, all pooled;
+- **E2E**: from sending to the last byte;
+- **goodput**: completed requests per second that met every SLO given (TTFT, TPOT, E2E).
+
+A server that does not stream (chapters 1-7) is measured the same way with ``--no-stream``: its
+first token arrives with its last, so its TTFT is its E2E and TPOT/ITL are not defined.
+
+The ``mixed`` workload is the article's prompts (16/32/64/128 tokens) with new tokens drawn from 8 to
+256, log-uniform (most answers short, a long tail): the mix where a request-level batch is held by
+its longest member. Closed loop: ``--users`` clients each send their next request when the last one
+ends, for ``--duration-s`` seconds; loopback only, bounded in time.
+
+    python -m benchmarks.streaming run --url http://127.0.0.1:8000 --users 32 --duration-s 20
+    python -m benchmarks.streaming compare --chapters ch06 ch08 --users 32 --duration-s 20 \
+        --out benchmarks/reference/cpu/streaming/mixed.json
+
+``compare`` runs every chapter at the same number of users (equal load); its JSON, one file per
+workload under ``<results dir>/streaming/``, is what ``notebooks/ch08_continuous_batching.ipynb`` plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.workload import PROMPT_ID_RANGE, PROMPT_LENGTHS
+
+MIXED_MIN_NEW, MIXED_MAX_NEW = 8, 256
+
+
+def mixed_body(rng: random.Random) -> dict[str, Any]:
+    """One request of the ``mixed`` workload: an article-mix prompt, 8..256 new tokens (log-uniform)."""
+    length = rng.choice(PROMPT_LENGTHS)
+    new_tokens = round(MIXED_MIN_NEW * (MIXED_MAX_NEW / MIXED_MIN_NEW) ** rng.random())
+    return {"input_ids": [rng.randrange(PROMPT_ID_RANGE) for _ in range(length)], "max_new_tokens": new_tokens}
+
+
+def default_body(rng: random.Random) -> dict[str, Any]:
+    """The climb's default workload: article-mix prompt, 32 new tokens."""
+    length = rng.choice(PROMPT_LENGTHS)
+    return {"input_ids": [rng.randrange(PROMPT_ID_RANGE) for _ in range(length)], "max_new_tokens": 32}
+
+
+WORKLOADS = {"mixed": mixed_body, "default": default_body}
+
+
+@dataclass
+class RequestRecord:
+    sent: float
+    status: int
+    token_times: list[float] = field(default_factory=list)  # arrival time of each token (s, same clock as sent)
+    ended: float = 0.0
+    output_tokens: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.output_tokens > 0
+
+    @property
+    def ttft(self) -> float:
+        return (self.token_times[0] if self.token_times else self.ended) - self.sent
+
+    @property
+    def e2e(self) -> float:
+        return self.ended - self.sent
+
+    @property
+    def tpot(self) -> float | None:
+        if len(self.token_times) < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+async def _one_request(client: httpx.AsyncClient, body: dict, stream: bool) -> RequestRecord:
+    record = RequestRecord(sent=time.perf_counter(), status=0)
+    try:
+        if stream:
+            async with client.stream("POST", "/v1/inference", json={**body, "stream": True}) as response:
+                record.status = response.status_code
+                async for line in response.aiter_lines():
+                    if line.startswith("event: token"):
+                        record.token_times.append(time.perf_counter())
+                    elif line.startswith("event: error"):
+                        record.status = 500
+            record.output_tokens = len(record.token_times)
+        else:
+            response = await client.post("/v1/inference", json=body)
+            record.status = response.status_code
+            if response.status_code == 200:
+                record.output_tokens = len(response.json()["output_ids"])
+    except httpx.HTTPError:
+        record.status = -1
+    record.ended = time.perf_counter()
+    return record
+
+
+async def run_closed_loop(url: str, users: int, duration_s: float, workload: str, stream: bool, seed: int = 1234,
+                          request_timeout_s: float = 120.0) -> tuple[list[RequestRecord], float]:
+    """``users`` clients in a loop for ``duration_s``; returns every record and the measured window (s)."""
+    make_body = WORKLOADS[workload]
+    limits = httpx.Limits(max_connections=users, max_keepalive_connections=users)
+    records: list[RequestRecord] = []
+    started = time.perf_counter()
+    stop_at = started + duration_s
+
+    async def user(index: int) -> None:
+        rng = random.Random(seed * 1_000_003 + index)
+        while time.perf_counter() < stop_at:
+            records.append(await _one_request(client, make_body(rng), stream))
+
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=request_timeout_s) as client:
+        await asyncio.gather(*(user(i) for i in range(users)))
+    return records, time.perf_counter() - started
+
+
+def _percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "p50": None, "p99": None}
+    ordered = sorted(values)
+    p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+    return {"mean": statistics.fmean(ordered) * 1e3, "p50": statistics.median(ordered) * 1e3, "p99": p99 * 1e3}
+
+
+def summarize(records: list[RequestRecord], window_s: float, slo_ttft_ms: float | None, slo_tpot_ms: float | None,
+              slo_e2e_ms: float | None) -> dict[str, Any]:
+    """Throughput, the four latencies (milliseconds: mean, p50, p99) and goodput at the SLOs given."""
+    ok = [r for r in records if r.ok]
+
+    def meets_slo(r: RequestRecord) -> bool:
+        tpot = r.tpot
+        return ((slo_ttft_ms is None or r.ttft * 1e3 <= slo_ttft_ms)
+                and (slo_tpot_ms is None or tpot is None or tpot * 1e3 <= slo_tpot_ms)
+                and (slo_e2e_ms is None or r.e2e * 1e3 <= slo_e2e_ms))
+
+    errors: dict[str, int] = {}
+    for r in records:
+        if not r.ok:
+            errors[str(r.status)] = errors.get(str(r.status), 0) + 1
+    streamed = any(r.token_times for r in ok)
+    return {
+        "requests": len(records),
+        "completed": len(ok),
+        "errors": errors,
+        "window_s": round(window_s, 3),
+        "qps": len(ok) / window_s,
+        "output_tokens_per_s": sum(r.output_tokens for r in ok) / window_s,
+        "ttft_ms": _percentiles([r.ttft for r in ok]),
+        "tpot_ms": _percentiles([t for r in ok if (t := r.tpot) is not None]) if streamed else None,
+        "itl_ms": _percentiles([gap for r in ok for gap in r.itls()]) if streamed else None,
+        "e2e_ms": _percentiles([r.e2e for r in ok]),
+        "slo": {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms, "e2e_ms": slo_e2e_ms},
+        "goodput_qps": sum(1 for r in ok if meets_slo(r)) / window_s,
+    }
+
+
+def compare_document(workload: str, users: int, duration_s: float, chapters: dict[str, dict[str, Any]],
+                     command: str, server_args: str = "") -> dict[str, Any]:
+    """The JSON ``compare`` writes: each chapter's :func:`summarize` (plus ``streamed``) at the same load."""
+    return {"kind": "streaming-compare", "schema": 1, "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
+            "command": command, "workload": workload, "users": users, "duration_s": duration_s,
+            "server_args": server_args, "chapters": chapters}
+
+
+def _run(args: argparse.Namespace, url: str, stream: bool) -> dict[str, Any]:
+    # A short warm-up (first allocations, lazy kernels) that is not measured.
+    asyncio.run(run_closed_loop(url, min(args.users, 4), min(2.0, args.duration_s), args.workload, stream, seed=args.seed + 1))
+    records, window = asyncio.run(run_closed_loop(url, args.users, args.duration_s, args.workload, stream, seed=args.seed))
+    return summarize(records, window, args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.streaming", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("run", "compare"):
+        p = sub.add_parser(name)
+        p.add_argument("--users", type=int, default=32)
+        p.add_argument("--duration-s", type=float, default=20.0)
+        p.add_argument("--workload", choices=sorted(WORKLOADS), default="mixed")
+        p.add_argument("--seed", type=int, default=1234)
+        p.add_argument("--slo-ttft-ms", type=float, default=None)
+        p.add_argument("--slo-tpot-ms", type=float, default=None)
+        p.add_argument("--slo-e2e-ms", type=float, default=None)
+        p.add_argument("--out", type=Path, default=None, help="write the JSON here as well")
+    run = sub.choices["run"]
+    run.add_argument("--url", required=True, help="a server on loopback, e.g. http://127.0.0.1:8000")
+    run.add_argument("--no-stream", action="store_true", help="the server does not stream: time whole responses")
+    compare = sub.choices["compare"]
+    compare.add_argument("--chapters", nargs="+", default=["ch06", "ch08"])
+    compare.add_argument("--server-args", default="", help="extra flags for every server")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    if args.users < 1 or args.duration_s <= 0:
+        parser.error("--users must be at least 1 and --duration-s positive")
+
+    if args.command == "run":
+        if not args.url.startswith(("http://127.0.0.1", "http://localhost", "http://[::1]")):
+            parser.error("--url must be on loopback")
+        result: dict[str, Any] = {"url": args.url, "workload": args.workload, "users": args.users, **_run(args, args.url, not args.no_stream)}
+    else:
+        from benchmarks.server_process import running_module
+
+        result = compare_document(args.workload, args.users, args.duration_s, {},
+                                  " ".join(["python -m benchmarks.streaming", *argv]), args.server_args)
+        for chapter in args.chapters:
+            module = "chapters.ch08_continuous_batching" if chapter == "ch08" else None
+            if module is None:
+                from chapters import module_for
+
+                module = module_for(chapter)
+            streams = chapter == "ch08"
+            with running_module(module, args.server_args.split(), name=chapter) as server:
+                result["chapters"][chapter] = {"streamed": streams, **_run(args, server.url, streams)}
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

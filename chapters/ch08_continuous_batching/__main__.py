@@ -1,0 +1,3 @@
+from chapters.ch08_continuous_batching.server import main
+
+main()

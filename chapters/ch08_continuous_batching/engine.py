@@ -1,0 +1,183 @@
+"""The engine thread: chapter 3's step loop turned by ONE dedicated thread, fed from the event loop.
+
+The event loop never computes and the engine thread never touches asyncio objects directly:
+
+- the loop hands work over with :meth:`EngineLoop.submit` and :meth:`EngineLoop.cancel`, which put
+  it in an inbox under a lock and wake the thread (a condition variable: an idle engine sleeps, it
+  does not poll);
+- between two steps the thread moves the inbox into the scheduler, aborts what was cancelled or is
+  past its deadline (its blocks are free before the next step is planned), and turns
+  :func:`~chapters.ch03_dynamic_batching.step_loop.run_step` once;
+- what a step produced (new tokens, finished sequences) is handed back to the loop in ONE
+  ``loop.call_soon_threadsafe`` per step, where each request's :class:`RequestStream` receives it.
+
+A failing step fails exactly the sequences it computed (500, ``batch_failed``), frees their blocks,
+and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from chapters.ch03_dynamic_batching.step_loop import run_step
+from chapters.ch08_continuous_batching.scheduler import ContinuousScheduler, Sequence
+from shared.model import StepModel
+from shared.schemas import ApiError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The end of a stream: the whole output and its timings, or the error that ended it."""
+
+    output_ids: list[int]
+    timings_ms: dict[str, float]
+    error: ApiError | None = None
+
+
+class RequestStream:
+    """The event-loop side of one sequence: its tokens as they come, then one :class:`Finished`."""
+
+    def __init__(self, seq: Sequence) -> None:
+        self.seq = seq
+        self._events: asyncio.Queue[int | Finished] = asyncio.Queue()
+        self.result: asyncio.Future[Finished] = asyncio.get_running_loop().create_future()
+
+    def push(self, tokens: list[int], finished: Finished | None) -> None:
+        for token in tokens:
+            self._events.put_nowait(token)
+        if finished is not None and not self.result.done():
+            self._events.put_nowait(finished)
+            self.result.set_result(finished)
+
+    async def tokens(self) -> AsyncIterator[int | Finished]:
+        """Each token as it is generated, then the :class:`Finished` event (which ends the iteration)."""
+        while True:
+            event = await self._events.get()
+            yield event
+            if isinstance(event, Finished):
+                return
+
+
+class _StepListener:
+    """Collects a step's tokens and endings in the engine thread; flushed to the loop once per step."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[Sequence, list[int]] = {}
+        self.finished: dict[Sequence, Finished] = {}
+
+    def on_token(self, seq: Sequence, token: int) -> None:
+        self.tokens.setdefault(seq, []).append(token)
+
+    def on_finished(self, seq: Sequence) -> None:
+        self.finished[seq] = Finished(seq.output_ids, seq.timings_ms())
+
+    def end(self, seq: Sequence, error: ApiError) -> None:
+        self.finished[seq] = Finished(seq.output_ids, seq.timings_ms(), error)
+
+    def take(self) -> list[tuple[Sequence, list[int], Finished | None]]:
+        seqs = list(self.tokens) + [s for s in self.finished if s not in self.tokens]
+        out = [(s, self.tokens.get(s, []), self.finished.get(s)) for s in seqs]
+        self.tokens, self.finished = {}, {}
+        return out
+
+
+class EngineLoop:
+    """Owns the scheduler and the model call; everything that changes them runs in its one thread."""
+
+    def __init__(self, model: StepModel, scheduler: ContinuousScheduler) -> None:
+        self.model, self.scheduler = model, scheduler
+        self._listener = _StepListener()
+        scheduler.listener = self._listener
+        self._wake = threading.Condition()
+        self._inbox: list[Sequence] = []
+        self._cancels: list[tuple[Sequence, ApiError]] = []
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.failed_steps = 0
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, seq: Sequence) -> RequestStream:
+        """From the event loop: queue ``seq``; its tokens arrive on the returned stream."""
+        stream = RequestStream(seq)
+        seq.listener_data = stream
+        with self._wake:
+            self._inbox.append(seq)
+            self._wake.notify()
+        return stream
+
+    def cancel(self, seq: Sequence, error: ApiError) -> None:
+        """From the event loop: stop computing ``seq`` (its blocks are free after the current step)."""
+        with self._wake:
+            self._cancels.append((seq, error))
+            self._wake.notify()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    # -- the thread ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        scheduler = self.scheduler
+        while True:
+            with self._wake:
+                while not (self._inbox or self._cancels or scheduler.has_work or self._stopping):
+                    self._wake.wait()
+                if self._stopping and not (self._inbox or scheduler.has_work):
+                    return
+                inbox, self._inbox = self._inbox, []
+                cancels, self._cancels = self._cancels, []
+            for seq in inbox:
+                try:
+                    scheduler.add(seq)
+                except ValueError as exc:  # the API checked the limits; a direct caller may not have
+                    self._listener.end(seq, ApiError(422, "invalid_request", str(exc)))
+            for seq, error in cancels:
+                if scheduler.abort(seq):
+                    self._listener.end(seq, error)
+            self._abort_expired()
+            try:
+                run_step(scheduler, self.model)
+            except Exception as exc:  # noqa: BLE001 - one failed step must not stop the server
+                log.exception("a step failed; failing the sequences it computed")
+                self.failed_steps += 1
+                self._fail_running(exc)
+            self._flush()
+
+    def _abort_expired(self) -> None:
+        now = time.perf_counter()
+        for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+            if seq.deadline is not None and now >= seq.deadline and self.scheduler.abort(seq):
+                self._listener.end(seq, ApiError(504, "deadline_exceeded", "the request passed its deadline"))
+
+    def _fail_running(self, exc: Exception) -> None:
+        for seq in list(self.scheduler.running):
+            self.scheduler.abort(seq)
+            self._listener.end(seq, ApiError(500, "batch_failed", f"the step computing this request failed: {type(exc).__name__}"))
+
+    def _flush(self) -> None:
+        events = self._listener.take()
+        if events and self._loop is not None:
+            self._loop.call_soon_threadsafe(_deliver, events)
+
+
+def _deliver(events: list[tuple[Sequence, list[int], Finished | None]]) -> None:
+    for seq, tokens, finished in events:
+        stream = seq.listener_data
+        if isinstance(stream, RequestStream):
+            stream.push(tokens, finished)

@@ -1,0 +1,421 @@
+"""Continuous batching: a scheduler that changes the batch at every step of chapter 3's loop.
+
+Chapter 3's :class:`~chapters.ch03_dynamic_batching.batched_generation.StaticBatch` fixes a batch
+when it starts, and the batch leaves together. :class:`ContinuousScheduler` plugs into the same
+loop (:func:`~chapters.ch03_dynamic_batching.step_loop.run_step`: schedule, execute, update) and
+decides again before every model call (Orca's iteration-level scheduling):
+
+1. **decode**: every running sequence whose prompt is computed gets one token. Under the ``grow``
+   KV policy it may need a new block; when none is free, the NEWEST running sequence is preempted
+   (its blocks freed, itself put back at the head of the queue with its tokens kept, to be
+   recomputed later: vLLM's preemption by recompute). Decodes always fit the token budget
+   (``max_num_batched_tokens >= max_num_seqs``), so no running sequence ever stalls.
+2. **continue prefills**: a running sequence whose prompt is only partly computed gets its next
+   chunk, within what is left of the token budget (``max_num_batched_tokens``).
+3. **admit**: waiting sequences, first come first served, while fewer than ``max_num_seqs`` run and
+   budget is left. A prompt longer than the budget left is prefilled in chunks over several steps
+   (chunked prefill), so one long prompt never stops everybody's decode. Under ``reserve`` a sequence
+   is admitted only if blocks for its prompt AND all its new tokens are free (it then never needs
+   another block, nothing is ever preempted); under ``grow`` only its first chunk's blocks.
+
+``update`` appends each sampled token (greedy), and a sequence that has its tokens is retired AT
+ONCE: its blocks go back to the free list before the next step is planned.
+
+Nothing here knows about threads, HTTP or asyncio: a :class:`SequenceListener` hears about tokens
+and finished sequences (the engine turns that into futures and streams), and tests drive the
+scheduler with a fake model and plain loops.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import torch
+from torch import Tensor
+
+from chapters.ch08_continuous_batching.block_manager import OutOfBlocks
+from chapters.ch08_continuous_batching.paged_cache import PagedBatchCache, PagedKVStore, RowSpan
+from shared.model import StepModel
+
+KVPolicy = Literal["reserve", "grow"]
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's state inside the scheduler.
+
+    ``token_ids`` is the prompt followed by every token generated so far; ``num_computed`` counts
+    the leading positions whose keys and values are in the cache (0 again after a preemption).
+    """
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    arrived: float = field(default_factory=time.perf_counter)
+    deadline: float | None = None  # on the same clock as ``arrived``; past it the engine aborts the sequence
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    token_ids: list[int] = field(init=False)
+    num_computed: int = 0
+    status: Status = Status.WAITING
+    preemptions: int = 0
+    scheduled_at: float | None = None  # first time any of it was computed
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    listener_data: object = None  # whatever the listener attaches (the engine: the request's stream)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids or self.max_new_tokens < 1:
+            raise ValueError("a sequence needs at least one prompt token and one new token")
+        self.token_ids = list(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids):]
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def done(self) -> bool:
+        return self.num_generated >= self.max_new_tokens
+
+    @property
+    def peak_kv_tokens(self) -> int:
+        """Positions it ever stores: the last generated token is returned, never fed back."""
+        return len(self.prompt_ids) + self.max_new_tokens - 1
+
+    def timings_ms(self) -> dict[str, float]:
+        """queue (arrival to first computed), prefill (to first token), ttft, decode (first to last token)."""
+        out: dict[str, float] = {}
+        if self.scheduled_at is not None:
+            out["queue"] = (self.scheduled_at - self.arrived) * 1e3
+        if self.first_token_at is not None and self.scheduled_at is not None:
+            out["prefill"] = (self.first_token_at - self.scheduled_at) * 1e3
+            out["ttft"] = (self.first_token_at - self.arrived) * 1e3
+        if self.finished_at is not None and self.first_token_at is not None:
+            out["decode"] = (self.finished_at - self.first_token_at) * 1e3
+        return out
+
+
+class SequenceListener(Protocol):
+    def on_token(self, seq: Sequence, token: int) -> None: ...
+
+    def on_finished(self, seq: Sequence) -> None: ...
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # sequences running at once (rows of a decode call)
+    max_num_batched_tokens: int = 512  # tokens computed in one step: decodes + prefill chunks
+    kv_policy: KVPolicy = "grow"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs}): "
+                "every running sequence must be able to decode in every step"
+            )
+        if self.kv_policy not in ("reserve", "grow"):
+            raise ValueError(f"kv_policy must be reserve or grow, got {self.kv_policy!r}")
+
+
+@dataclass(frozen=True)
+class ScheduledRow:
+    """``length`` tokens of ``seq`` from position ``start``; ``samples``: this row's logits give its next token."""
+
+    seq: Sequence
+    start: int
+    length: int
+
+    @property
+    def samples(self) -> bool:
+        return self.start + self.length == len(self.seq.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.length == 1 and self.start == len(self.seq.token_ids) - 1 and self.seq.num_generated > 0
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    tokens_computed: int = 0  # prompt (and recomputed) positions + decode positions
+    decode_tokens: int = 0
+    prefill_tokens: int = 0
+    tokens_generated: int = 0
+    preemptions: int = 0
+    finished: int = 0
+    aborted: int = 0
+
+
+@dataclass
+class ContinuousStep:
+    """One model call's worth of work: decode rows in one batched call, prefill chunks in as few as fit."""
+
+    store: PagedKVStore
+    decode_rows: list[ScheduledRow]
+    prefill_rows: list[ScheduledRow]
+    pad_id: int
+
+    @property
+    def rows(self) -> list[ScheduledRow]:
+        """The order of ``execute``'s logits."""
+        return self.decode_rows + self.prefill_rows
+
+    def execute(self, model: StepModel) -> Tensor:
+        """Decode rows in one batched call; prompt chunks in one call per shape (same start, same length),
+        so no padding is computed: padding a prompt pass costs as much as real tokens."""
+        logits: list[Tensor] = []
+        order: list[int] = []  # the row (index into ``rows``) of each logits row, in call order
+        if self.decode_rows:
+            logits.append(self._call(model, self.decode_rows))
+            order += range(len(self.decode_rows))
+        for indices in _groups_of_one_shape(self.prefill_rows):
+            logits.append(self._call(model, [self.prefill_rows[i] for i in indices]))
+            order += [len(self.decode_rows) + i for i in indices]
+        computed = torch.cat(logits) if len(logits) > 1 else logits[0]
+        if order == sorted(order):
+            return computed
+        in_row_order = torch.empty_like(computed)
+        in_row_order[torch.tensor(order, device=computed.device)] = computed
+        return in_row_order
+
+    def _call(self, model: StepModel, rows: list[ScheduledRow]) -> Tensor:
+        spans = [RowSpan(r.seq.seq_id, r.start, r.seq.token_ids[r.start : r.start + r.length]) for r in rows]
+        cache = PagedBatchCache(self.store, spans, self.pad_id)
+        if cache.seq_len == 0:  # every row starts its prompt: an ordinary prompt pass
+            return model.prefill(cache.input_ids, cache.position_ids, cache.attention_mask, cache)
+        # Later chunks of a prompt are "decode" with several new tokens: the cache holds the rest.
+        return model.decode(cache.input_ids, cache.position_ids, cache.attention_mask, cache)
+
+
+def _groups_of_one_shape(rows: list[ScheduledRow]) -> list[list[int]]:
+    """Indices of ``rows`` grouped by (start, length): rows of one group need no padding at all."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for index, row in enumerate(rows):
+        groups.setdefault((row.start, row.length), []).append(index)
+    return list(groups.values())
+
+
+class ContinuousScheduler:
+    """Step-level scheduling over a paged KV cache (see the module docstring for the three passes)."""
+
+    def __init__(
+        self,
+        store: PagedKVStore,
+        config: SchedulerConfig,
+        pad_id: int,
+        listener: SequenceListener | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.store, self.config, self.pad_id = store, config, pad_id
+        self.manager = store.manager
+        self.listener = listener
+        self.clock = clock
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # oldest admission first
+        self.stats = SchedulerStats()
+        longest = store.config.n_ctx
+        if self.manager.blocks_for(longest) > self.manager.total_blocks:
+            raise ValueError(f"the pool's {self.manager.total_blocks} blocks cannot hold one sequence of {longest} positions")
+
+    # -- the queue ----------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        if len(seq.prompt_ids) + seq.max_new_tokens > self.store.config.n_ctx:
+            raise ValueError(f"{len(seq.prompt_ids)} + {seq.max_new_tokens} tokens exceed the context of {self.store.config.n_ctx}")
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, seq: Sequence) -> bool:
+        """Drop ``seq`` wherever it is; its blocks are free when this returns. False if it was not here."""
+        if seq.status is Status.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self.manager.free(seq.seq_id)
+        else:
+            return False
+        seq.status = Status.ABORTED
+        self.stats.aborted += 1
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- schedule -----------------------------------------------------------------------------
+
+    def schedule(self) -> ContinuousStep | None:
+        budget = self.config.max_num_batched_tokens
+        decode_rows, prefill_rows = self._schedule_decodes()
+        budget -= len(decode_rows)
+        continuing, budget = self._continue_prefills(budget)
+        admitted, budget = self._admit(budget)
+        prefill_rows += continuing + admitted
+        if not decode_rows and not prefill_rows:
+            return None
+        now = self.clock()
+        for row in decode_rows + prefill_rows:
+            if row.seq.scheduled_at is None:
+                row.seq.scheduled_at = now
+        return ContinuousStep(self.store, decode_rows, prefill_rows, self.pad_id)
+
+    def _schedule_decodes(self) -> tuple[list[ScheduledRow], list[ScheduledRow]]:
+        rows: list[ScheduledRow] = []
+        index = 0
+        while index < len(self.running):
+            seq = self.running[index]
+            if seq.num_computed < len(seq.token_ids) - 1:
+                index += 1  # still prefilling: pass 2
+                continue
+            if not self._make_room(seq, len(seq.token_ids)):
+                continue  # seq itself was preempted (it was the newest): it left `running`
+            rows.append(ScheduledRow(seq, seq.num_computed, 1))
+            index += 1
+        return rows, []
+
+    def _make_room(self, seq: Sequence, n_tokens: int) -> bool:
+        """Blocks for ``n_tokens`` positions of a running ``seq``, preempting the newest while short.
+
+        False when ``seq`` had to be preempted itself. Only called for decodes: the victims come
+        from the tail of ``running``, which no earlier decode row of this step belongs to.
+        """
+        # EXERCISE ch08.3 BEGIN "preemption by recompute: free the newest sequence's blocks while short"
+        while not self.manager.can_grow_to(seq.seq_id, n_tokens):
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        self.manager.grow_to(seq.seq_id, n_tokens)
+        return True
+        # EXERCISE ch08.3 END
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks and put it back at the head of the queue; it keeps its tokens and recomputes them later."""
+        # EXERCISE ch08.3 BEGIN "preemption by recompute: free the newest sequence's blocks while short"
+        self.running.remove(seq)
+        self.manager.free(seq.seq_id)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        seq.preemptions += 1
+        self.stats.preemptions += 1
+        self.waiting.appendleft(seq)
+        # EXERCISE ch08.3 END
+
+    def _continue_prefills(self, budget: int) -> tuple[list[ScheduledRow], int]:
+        rows: list[ScheduledRow] = []
+        for seq in self.running:
+            remaining = len(seq.token_ids) - seq.num_computed
+            if remaining <= 1 or budget <= 0:
+                continue  # one position left: pass 1 computed it (a decode, or a prompt's last token)
+            chunk = min(remaining, budget, self._room_for(seq))  # never preempt for a prefill
+            if chunk <= 0:
+                continue
+            self.manager.grow_to(seq.seq_id, seq.num_computed + chunk)
+            rows.append(ScheduledRow(seq, seq.num_computed, chunk))
+            budget -= chunk
+        return rows, budget
+
+    def _room_for(self, seq: Sequence) -> int:
+        """Positions beyond ``num_computed`` that ``seq``'s table plus the free blocks can hold."""
+        size = self.manager.block_tokens
+        have = len(self.manager.tables[seq.seq_id]) * size
+        return have + self.manager.free_blocks * size - seq.num_computed
+
+    def _admit(self, budget: int) -> tuple[list[ScheduledRow], int]:
+        """Waiting sequences, oldest first, while a row, budget and blocks are left (no skipping ahead)."""
+        rows: list[ScheduledRow] = []
+        # EXERCISE ch08.2 BEGIN "admission under max_num_seqs and the token budget, chunking long prompts"
+        while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+            seq = self.waiting[0]
+            chunk = min(len(seq.token_ids) - seq.num_computed, budget)  # all of it: new, or preempted (0 computed)
+            # reserve: the whole life's blocks now, or not yet; grow: this chunk's blocks.
+            wanted = seq.peak_kv_tokens if self.config.kv_policy == "reserve" else seq.num_computed + chunk
+            try:
+                self.manager.allocate(seq.seq_id, wanted)
+            except OutOfBlocks:
+                break  # first come, first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            rows.append(ScheduledRow(seq, seq.num_computed, chunk))
+            budget -= chunk
+        # EXERCISE ch08.2 END
+        return rows, budget
+
+    # -- update -------------------------------------------------------------------------------
+
+    def update(self, step: ContinuousStep, logits: Tensor) -> None:
+        next_ids = logits.argmax(dim=-1).tolist()  # one device sync per step
+        now = self.clock()
+        self.stats.steps += 1
+        for row, token in zip(step.rows, next_ids):
+            seq = row.seq
+            samples = row.samples  # before the token is appended
+            seq.num_computed = row.start + row.length
+            self.stats.tokens_computed += row.length
+            if row.is_decode:
+                self.stats.decode_tokens += 1
+            else:
+                self.stats.prefill_tokens += row.length
+            if not samples:
+                continue  # a partial prompt chunk: its logits mean nothing yet
+            seq.token_ids.append(token)
+            self.stats.tokens_generated += 1
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+            if self.listener is not None:
+                self.listener.on_token(seq, token)
+            if seq.done:
+                self._retire(seq, now)
+
+    def _retire(self, seq: Sequence, now: float) -> None:
+        self.running.remove(seq)
+        self.manager.free(seq.seq_id)
+        seq.status = Status.FINISHED
+        seq.finished_at = now
+        self.stats.finished += 1
+        if self.listener is not None:
+            self.listener.on_finished(seq)
+
+    def describe(self) -> dict:
+        s, m = self.stats, self.manager
+        return {
+            "kv_policy": self.config.kv_policy,
+            "max_num_seqs": self.config.max_num_seqs,
+            "max_num_batched_tokens": self.config.max_num_batched_tokens,
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "blocks_total": m.total_blocks,
+            "blocks_used": m.used_blocks,
+            "blocks_free": m.free_blocks,
+            "block_tokens": m.block_tokens,
+            "steps": s.steps,
+            "tokens_computed": s.tokens_computed,
+            "prefill_tokens": s.prefill_tokens,
+            "decode_tokens": s.decode_tokens,
+            "tokens_generated": s.tokens_generated,
+            "tokens_per_step": round(s.tokens_computed / s.steps, 3) if s.steps else None,
+            "preemptions": s.preemptions,
+            "finished": s.finished,
+            "aborted": s.aborted,
+        }

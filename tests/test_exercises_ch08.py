@@ -1,0 +1,222 @@
+"""Graded tests of chapter 8's exercises: paged allocation (ch08.1), admission under two budgets (ch08.2),
+preemption by recompute (ch08.3).
+
+Pure bookkeeping and a fake model: the block manager is checked against a plain oracle (a FIFO free
+list and a count per block), the scheduler with the fake model of ``test_ch08_scheduler.py``, whose
+next token depends on every token read back through the paged cache, so a wrong table, offset or
+resume gives a wrong token. Everything is synchronous: a stub raises in the call that needs it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_ch08_scheduler import (
+    FakeModel,
+    fake_oracle,
+    fake_scheduler,
+    prompt,
+    run_and_check,
+)
+
+from chapters.ch03_dynamic_batching.step_loop import run_step
+from chapters.ch08_continuous_batching.block_manager import BlockManager, OutOfBlocks
+from chapters.ch08_continuous_batching.scheduler import Sequence, Status
+
+# ----------------------------------------------------------------------------- ch08.1: paged allocation
+
+
+@pytest.mark.exercise("ch08.1")
+def test_blocks_come_whole_from_the_front_of_the_free_list_and_only_as_many_as_needed() -> None:
+    manager = BlockManager(8, 4)
+    assert manager.allocate("a", 5) == [0, 1], "5 tokens: two blocks of 4, the first two free"
+    assert manager.allocate("b", 4) == [2]
+    assert manager.grow_to("a", 8) == [0, 1], "8 tokens still fit in two blocks: nothing taken"
+    assert manager.grow_to("a", 9) == [0, 1, 3]
+    assert manager.grow_to("a", 2) == [0, 1, 3], "a table never shrinks"
+    assert [manager.ref_counts[b] for b in range(8)] == [1, 1, 1, 1, 0, 0, 0, 0]
+    assert (manager.free_blocks, manager.used_blocks) == (4, 4)
+    assert manager.tokens_of("a") == 9
+    manager.check_consistent()
+
+
+@pytest.mark.exercise("ch08.1")
+def test_growing_is_all_or_nothing() -> None:
+    manager = BlockManager(4, 2)
+    manager.allocate("a", 4)  # blocks 0, 1
+    with pytest.raises(OutOfBlocks):
+        manager.grow_to("a", 10)  # needs 3 more, 2 are free
+    assert manager.tables["a"] == [0, 1] and manager.free_blocks == 2 and manager.tokens_of("a") == 4
+    assert manager.grow_to("a", 8) == [0, 1, 2, 3] and manager.free_blocks == 0
+    manager.check_consistent()
+
+
+@pytest.mark.exercise("ch08.1")
+def test_free_returns_unshared_blocks_to_the_back_of_the_free_list() -> None:
+    manager = BlockManager(6, 2)
+    manager.allocate("a", 4)  # 0, 1
+    manager.allocate("b", 2)  # 2
+    assert manager.free("a") == 2 and "a" not in manager.tables
+    assert manager.allocate("c", 6) == [3, 4, 5], "blocks never used come before the ones just freed"
+    assert manager.allocate("d", 4) == [1, 0], "then the freed ones, in the order they went back (tail first)"
+    manager.check_consistent()
+
+
+@pytest.mark.exercise("ch08.1")
+def test_a_block_shared_by_a_fork_stays_until_its_last_holder_frees_it() -> None:
+    manager = BlockManager(4, 2)
+    manager.allocate("parent", 4)
+    manager.fork("parent", "child")
+    assert manager.free("parent") == 0 and manager.free_blocks == 2
+    assert [manager.ref_counts[b] for b in manager.tables["child"]] == [1, 1]
+    assert manager.free("child") == 2 and manager.free_blocks == 4
+    assert all(count == 0 for count in manager.ref_counts)
+
+
+@pytest.mark.exercise("ch08.1")
+@settings(derandomize=True, max_examples=80, deadline=None)  # the same examples every run: a grade must not flicker
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 3), st.integers(0, 13)), max_size=40))
+def test_tables_and_the_free_list_follow_a_plain_oracle(operations: list[tuple[bool, int, int]]) -> None:
+    total, size = 10, 3
+    manager = BlockManager(total, size)
+    free: deque[int] = deque(range(total))  # the oracle: a FIFO free list and a table per sequence
+    tables: dict[int, list[int]] = {}
+    for grow, seq, tokens in operations:
+        if grow:
+            table = tables.get(seq, [])
+            needed = max(0, -(-tokens // size) - len(table))
+            if needed > len(free):
+                with pytest.raises(OutOfBlocks):
+                    manager.grow_to(seq, tokens) if seq in tables else manager.allocate(seq, tokens)
+            else:
+                expected = table + [free.popleft() for _ in range(needed)]
+                got = manager.grow_to(seq, tokens) if seq in tables else manager.allocate(seq, tokens)
+                assert got == expected
+                tables[seq] = expected
+        elif seq in tables:
+            released = tables.pop(seq)
+            assert manager.free(seq) == len(released)
+            free.extend(reversed(released))
+        assert {s: list(t) for s, t in manager.tables.items()} == tables
+        assert manager.free_blocks == len(free)
+        manager.check_consistent()
+
+
+# ----------------------------------------------------------------------------- ch08.2: admission
+
+
+@pytest.mark.exercise("ch08.2")
+def test_no_more_than_max_num_seqs_run_and_a_freed_row_is_taken_at_the_next_step() -> None:
+    scheduler, model = fake_scheduler(max_num_seqs=2, budget=64), FakeModel()
+    seqs = [Sequence(prompt(3, 40 + i), n) for i, n in enumerate((1, 4, 2))]
+    for seq in seqs:
+        scheduler.add(seq)
+    step = scheduler.schedule()
+    assert [(r.seq, r.start, r.length) for r in step.rows] == [(seqs[0], 0, 3), (seqs[1], 0, 3)]
+    assert list(scheduler.waiting) == [seqs[2]]
+    scheduler.update(step, step.execute(model))
+    assert seqs[0].status is Status.FINISHED
+    step = scheduler.schedule()
+    assert [(r.seq, r.start, r.length) for r in step.rows] == [(seqs[1], 3, 1), (seqs[2], 0, 3)]
+    scheduler.update(step, step.execute(model))
+    run_and_check(scheduler, model, [])
+    assert [s.output_ids for s in seqs] == [fake_oracle(s.prompt_ids, s.max_new_tokens) for s in seqs]
+
+
+@pytest.mark.exercise("ch08.2")
+def test_the_token_budget_cuts_the_last_admitted_prompt_into_a_chunk() -> None:
+    scheduler, model = fake_scheduler(max_num_seqs=4, budget=12), FakeModel()
+    first, second, third = Sequence(prompt(8, 50), 2), Sequence(prompt(8, 51), 2), Sequence(prompt(8, 52), 2)
+    for seq in (first, second, third):
+        scheduler.add(seq)
+    step = scheduler.schedule()
+    assert [(r.seq, r.start, r.length) for r in step.rows] == [(first, 0, 8), (second, 0, 4)], "8 + 4 = the budget of 12"
+    assert list(scheduler.waiting) == [third], "no budget left: the third waits"
+    assert len(scheduler.manager.tables[second.seq_id]) == 1, "grow: blocks for the 4-token chunk only"
+    scheduler.update(step, step.execute(model))
+    run_and_check(scheduler, model, [])
+    assert [s.output_ids for s in (first, second, third)] == [fake_oracle(s.prompt_ids, 2) for s in (first, second, third)]
+
+
+@pytest.mark.exercise("ch08.2")
+def test_nobody_overtakes_a_head_of_the_queue_that_does_not_fit() -> None:
+    # reserve: a sequence takes the blocks of its whole life when admitted. 16 blocks of 4 tokens.
+    scheduler, model = fake_scheduler(max_num_seqs=4, budget=64, policy="reserve"), FakeModel()
+    big, huge, small = Sequence(prompt(20, 60), 20), Sequence(prompt(20, 61), 10), Sequence(prompt(2, 62), 1)
+    for seq in (big, huge, small):
+        scheduler.add(seq)
+    step = scheduler.schedule()
+    assert [r.seq for r in step.rows] == [big], "huge needs 8 blocks of the 6 left; small fits but must not overtake it"
+    assert list(scheduler.waiting) == [huge, small] and scheduler.manager.used_blocks == 10
+    scheduler.update(step, step.execute(model))
+    run_and_check(scheduler, model, [])
+    assert [s.output_ids for s in (big, huge, small)] == [fake_oracle(s.prompt_ids, s.max_new_tokens) for s in (big, huge, small)]
+
+
+# ----------------------------------------------------------------------------- ch08.3: preemption
+
+
+@pytest.mark.exercise("ch08.3")
+def test_preempt_frees_the_blocks_keeps_the_tokens_and_puts_the_sequence_first_in_line() -> None:
+    scheduler, model = fake_scheduler(max_num_seqs=4, budget=64), FakeModel()
+    older, newer, queued = Sequence(prompt(6, 70), 5), Sequence(prompt(6, 71), 5), Sequence(prompt(6, 72), 5)
+    scheduler.add(older), scheduler.add(newer)
+    run_step(scheduler, model)
+    run_step(scheduler, model)
+    scheduler.add(queued)
+    tokens = list(newer.token_ids)
+    free_before = scheduler.manager.free_blocks
+    held = len(scheduler.manager.tables[newer.seq_id])
+    scheduler.preempt(newer)
+    assert scheduler.running == [older] and scheduler.waiting[0] is newer, "back at the HEAD of the queue"
+    assert newer.status is Status.WAITING and newer.num_computed == 0 and newer.token_ids == tokens
+    assert newer.seq_id not in scheduler.manager.tables and scheduler.manager.free_blocks == free_before + held
+    assert (newer.preemptions, scheduler.stats.preemptions) == (1, 1)
+    run_and_check(scheduler, model, [])
+    for seq in (older, newer, queued):
+        assert seq.output_ids == fake_oracle(seq.prompt_ids, 5), "recomputed from its tokens: the same answer"
+
+
+@pytest.mark.exercise("ch08.3")
+def test_when_decodes_are_short_of_blocks_the_newest_is_preempted_never_the_oldest() -> None:
+    # 16 blocks of 4 tokens; two sequences that each reach 39 positions (10 blocks) cannot both stay.
+    scheduler, model = fake_scheduler(max_num_seqs=2, budget=64), FakeModel()
+    oldest, newest = Sequence(prompt(20, 80), 20), Sequence(prompt(20, 81), 20)
+    run_and_check(scheduler, model, [oldest, newest])
+    assert oldest.preemptions == 0 and newest.preemptions >= 1
+    assert scheduler.stats.preemptions == newest.preemptions
+
+
+def three_prefilled() -> tuple:
+    """Three running sequences of one block each, and every other block held outside the scheduler."""
+    scheduler, model = fake_scheduler(max_num_seqs=3, budget=64), FakeModel()
+    seqs = [Sequence(prompt(4, 90 + i), 6) for i in range(3)]
+    for seq in seqs:
+        scheduler.add(seq)
+    run_step(scheduler, model)  # three prompt passes: one block each
+    manager = scheduler.manager
+    manager.allocate("hog", manager.free_blocks * manager.block_tokens)  # nothing free any more
+    return scheduler, model, seqs
+
+
+@pytest.mark.exercise("ch08.3")
+def test_make_room_preempts_from_the_newest_until_the_sequence_fits() -> None:
+    scheduler, model, (a, b, c) = three_prefilled()
+    assert scheduler._make_room(a, 9) is True  # 9 positions: 3 blocks, 2 more than a holds
+    assert scheduler.running == [a] and list(scheduler.waiting) == [b, c], "c went first, then b, each to the head"
+    assert len(scheduler.manager.tables[a.seq_id]) == 3 and scheduler.manager.free_blocks == 0
+    assert (a.preemptions, b.preemptions, c.preemptions) == (0, 1, 1)
+    scheduler.manager.free("hog")
+    run_and_check(scheduler, model, [])
+    assert [s.output_ids for s in (a, b, c)] == [fake_oracle(s.prompt_ids, 6) for s in (a, b, c)]
+
+
+@pytest.mark.exercise("ch08.3")
+def test_a_sequence_that_is_itself_the_newest_gives_way() -> None:
+    scheduler, _model, (a, b, c) = three_prefilled()
+    assert scheduler._make_room(c, 8) is False
+    assert scheduler.running == [a, b] and list(scheduler.waiting) == [c] and c.status is Status.WAITING
+    assert c.seq_id not in scheduler.manager.tables and scheduler.manager.free_blocks == 1
