@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # Interleaved rounds of the climb; each chapter keeps its median run (a shared machine is noisy).
 REPEAT ?= 3
 
-.PHONY: setup climb test test-slow serve diff model bench reference ceiling notebooks
+.PHONY: setup climb test test-slow serve diff model bench reference ceiling notebooks student grade
 
 setup:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install $(TORCH_SPEC)
@@ -38,8 +38,10 @@ reference: setup
 ceiling:
 	$(PYTHON) -m benchmarks ceiling --profile $(PROFILE)
 
+# Re-execute every notebook in place against benchmarks/reference/ (commit them executed, so they render).
+# RESULTS=benchmarks/results/cpu plots your own run instead (then do not commit them).
 notebooks:
-	$(PYTHON) -m pytest tests/test_benchmarks_notebook.py
+	$(PYTHON) -m benchmarks.notebooks $(if $(RESULTS),--results-dir $(RESULTS))
 
 bench:
 	$(PYTHON) -m benchmarks run --chapter $(CH) --profile $(PROFILE)
@@ -51,3 +53,13 @@ diff:
 # Retrain the embedded default model (deterministic, about 15 minutes on 2 cores).
 model:
 	$(PYTHON) -m shared.train_default
+
+# Exercises (exercises/README.md). CH=ch03 or CH=all; OUT defaults to <repo>-student-<CH> beside the repository.
+OUT ?=
+TREE ?= .
+student:
+	$(PYTHON) -m exercises student $(if $(filter all,$(CH)),--all,--chapter $(CH)) $(if $(OUT),--out $(OUT))
+
+# Grade a tree (default: this one) for chapter CH, or every chapter with CH=all.
+grade:
+	$(PYTHON) -m exercises grade --tree $(TREE) $(if $(filter all,$(CH)),,--chapter $(CH))

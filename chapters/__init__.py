@@ -11,6 +11,8 @@ CHAPTERS: dict[str, str] = {
     "ch04": "ch04_memory_pool",
     "ch05": "ch05_inference_engine",
     "ch06": "ch06_tuned_batching",
+    "ch07": "ch07_production",
+    "ch08": "ch08_continuous_batching",
 }
 
 

@@ -17,6 +17,9 @@ from benchmarks.server_process import RunningServer, running_server
 from shared.generation import reference_greedy
 from shared.weights import LoadedModel, load_model
 
+# Graded exercises: the ``exercise`` marker, one ``chNN_k`` marker per exercise, ``--exercise ID``.
+pytest_plugins = ("exercises.pytest_plugin",)
+
 # The test process shares the cores with the servers it starts (and, on a small CI machine, with
 # other jobs). Torch's OpenMP workers spin while they wait for a core they cannot get, which makes
 # the oracle's many small operations several times slower; one thread is as fast as it gets here.
