@@ -222,19 +222,10 @@ def _check_schema_version(version: int) -> int:
     return version
 
 
-class BenchmarkResult(_Strict):
-    schema_version: int = SCHEMA_VERSION
-    chapter: str = Field(description="chapter id (ch02), or 'ceiling' for the harness's own ceiling")
-    label: str = Field(description="the chapter id, or the name of a variant (ch01-workers)")
-    started_at: str
-    finished_at: str
-    environment: Environment
-    config: RunConfig
-    server: ServerRun
-    levels: list[LevelResult]
-    calibration: Calibration | None = Field(None, description="schema 2: the machine's speed apart from the server")
+class _RunFile(_Strict):
+    """What every results file of a run shares: a readable schema version, and its config's workload and profile."""
 
-    @field_validator("schema_version")
+    @field_validator("schema_version", check_fields=False)
     @classmethod
     def _readable_version(cls, version: int) -> int:
         return _check_schema_version(version)
@@ -246,6 +237,20 @@ class BenchmarkResult(_Strict):
     @property
     def profile(self) -> str:
         return self.config.profile
+
+
+class BenchmarkResult(_RunFile):
+    schema_version: int = SCHEMA_VERSION
+    chapter: str = Field(description="chapter id (ch02), or 'ceiling' for the harness's own ceiling")
+    label: str = Field(description="the chapter id, or the name of a variant (ch01-workers)")
+    started_at: str
+    finished_at: str
+    environment: Environment
+    config: RunConfig
+    server: ServerRun
+    levels: list[LevelResult]
+    calibration: Calibration | None = Field(None, description="schema 2: the machine's speed apart from the server")
+
 
     def saturation(self) -> LevelResult | None:
         """The level with the highest successful QPS: the chapter's throughput figure."""
@@ -304,7 +309,7 @@ class OpenLoopLevel(LevelMeasurements):
         return self.requests_failed / self.arrivals if self.arrivals else 0.0
 
 
-class OpenLoopResult(_Strict):
+class OpenLoopResult(_RunFile):
     schema_version: int = SCHEMA_VERSION
     kind: Literal["open_loop"] = "open_loop"
     chapter: str
@@ -318,18 +323,6 @@ class OpenLoopResult(_Strict):
     stopped: str | None = Field(None, description="why the sweep stopped (the last rate broke a bound); None: the ladder's end")
     calibration: Calibration | None = None
 
-    @field_validator("schema_version")
-    @classmethod
-    def _readable_version(cls, version: int) -> int:
-        return _check_schema_version(version)
-
-    @property
-    def workload(self) -> str:
-        return self.config.workload
-
-    @property
-    def profile(self) -> str:
-        return self.config.profile
 
 
 OPEN_LOOP_DIR = "openloop"

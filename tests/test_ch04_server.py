@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 import requests
+from asgi_helpers import serving, until
 
 from chapters.ch02_fastapi_async.api import Generated
 from chapters.ch04_memory_pool.server import PoolSettings, build_app
@@ -52,22 +52,6 @@ def settings(**overrides) -> PoolSettings:
     return PoolSettings(**{**base, **overrides})
 
 
-async def until(condition: Callable[[], bool], max_turns: int = 100_000) -> None:
-    """Yield to the event loop until ``condition`` holds (a state change, not a timer)."""
-    for _ in range(max_turns):
-        if condition():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("the server never reached the expected state")
-
-
-async def run_with_app(app, scenario) -> None:
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://ch04") as client:
-            await scenario(client)
-
-
 def post(client: httpx.AsyncClient, first: int, new_tokens: int = 3):
     return client.post("/v1/inference", json={"input_ids": [first, 1, 2], "max_new_tokens": new_tokens})
 
@@ -96,7 +80,7 @@ def test_a_full_queue_rejects_with_429_and_never_a_5xx() -> None:
         assert stats["admission"]["rejected_total"] == 1 and stats["admission"]["in_flight"] == 0
         assert stats["pool"]["blocks_used"] == 0
 
-    asyncio.run(run_with_app(app, scenario))
+    asyncio.run(serving(app, scenario))
 
 
 def test_sustained_pressure_serves_new_requests_on_the_cpu_fallback_with_the_oracles_tokens(oracle) -> None:
@@ -123,7 +107,7 @@ def test_sustained_pressure_serves_new_requests_on_the_cpu_fallback_with_the_ora
             runner.gate.set()
         assert [r.status_code for r in await asyncio.gather(*held)] == [200, 200]
 
-    asyncio.run(run_with_app(app, scenario))
+    asyncio.run(serving(app, scenario))
 
 
 class ExplodingDecode:
@@ -171,7 +155,7 @@ def test_a_failed_batch_and_a_client_gone_mid_batch_leave_nothing_reserved_and_t
         served = await client.post("/v1/inference", json={"input_ids": [5, 6, 7], "max_new_tokens": 4})
         assert served.status_code == 200 and served.json()["output_ids"] == oracle([5, 6, 7], 4)
 
-    asyncio.run(run_with_app(app, scenario))
+    asyncio.run(serving(app, scenario))
 
 
 def test_a_batch_reserves_exactly_its_padded_range_and_counts_what_it_wrote(oracle) -> None:
@@ -186,7 +170,7 @@ def test_a_batch_reserves_exactly_its_padded_range_and_counts_what_it_wrote(orac
         assert [a.json()["output_ids"] for a in answers] == [oracle(p, n) for p, n in zip(prompts, new_tokens)]
 
     backend.batcher.config = backend.batcher.config.__class__(max_batch=2, min_batch=2, window_s=1.0)
-    asyncio.run(run_with_app(app, scenario))
+    asyncio.run(serving(app, scenario))
     pool = backend.runner.stats()
     # One batch of 2 rows x (7 prompt + 5 new - 1) = 22 slots, rounded up to two 16-slot blocks.
     assert pool["slots_reserved_total"] == 32

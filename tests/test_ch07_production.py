@@ -15,6 +15,7 @@ import weakref
 
 import httpx
 import pytest
+from asgi_helpers import serving, until
 from prometheus_client.parser import text_string_to_metric_families
 from pythonjsonlogger.json import JsonFormatter
 
@@ -63,18 +64,7 @@ def gated_app(gate: threading.Event, **overrides):
     return build_app(settings(**overrides), backend_factory=factory)
 
 
-async def until(condition, max_turns: int = 200_000) -> None:
-    for _ in range(max_turns):
-        if condition():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("the server never reached the expected state")
-
-
-async def run(app, scenario) -> None:
-    async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://ch07", timeout=60) as client:
-            await scenario(client)
+run = serving
 
 
 def infer(client, prompt=PROMPT, new_tokens=3, headers=None):

@@ -22,6 +22,7 @@ import psutil
 import pytest
 import requests
 import schemathesis
+from asgi_helpers import serving, until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
@@ -265,20 +266,6 @@ def gated_app(release: threading.Event, **overrides):
         return backend
 
     return build_app(ProductionSettings(**{**base, **overrides}), backend_factory=factory)
-
-
-async def until(condition, max_turns: int = 200_000) -> None:
-    for _ in range(max_turns):
-        if condition():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("the server never reached the expected state")
-
-
-async def serving(app, scenario) -> None:
-    async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://ch07", timeout=60) as client:
-            await scenario(client)
 
 
 def post(client, prompt, new_tokens=3):

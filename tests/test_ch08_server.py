@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
 
 import httpx
 import pytest
+from asgi_helpers import serving, until
 
-from chapters.ch08_continuous_batching.server import ContinuousSettings, build_app
 from chapters.ch08_continuous_batching.scheduler import Sequence
+from chapters.ch08_continuous_batching.server import ContinuousSettings, build_app
 
 
 class GatedModel:
@@ -54,21 +54,8 @@ def settings(**overrides) -> ContinuousSettings:
     return ContinuousSettings(**{**base, **overrides})
 
 
-async def until(condition: Callable[[], bool], max_turns: int = 200_000) -> None:
-    for _ in range(max_turns):
-        if condition():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("the server never reached the expected state")
-
-
 def run(app, scenario) -> None:
-    async def main() -> None:
-        async with app.router.lifespan_context(app):
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://ch08") as client:
-                await scenario(client)
-
-    asyncio.run(main())
+    asyncio.run(serving(app, scenario))
 
 
 def test_inference_returns_the_oracles_tokens_with_the_contracts_fields(oracle) -> None:
