@@ -567,9 +567,11 @@ def render_table(
 # --------------------------------------------------------------------------------------------
 
 
-def plot_climb(rows: Sequence[TableRow], axes=None, title: str = "The climb"):
+def plot_climb(rows: Sequence[TableRow], axes=None, title: str = "The climb", variants: Sequence[TableRow] = ()):
     """Left: QPS per chapter as bars (measured, article) and P99 as lines on a second axis. Right: the
     speed-up over ch01, measured beside the article's, where the shapes compare across machines.
+    ``variants`` (labelled runs of a chapter, such as a learner's own ``--label ch03-mine``) get a
+    narrow bar of their own inside their chapter's, labelled with their name.
     ``axes``: two matplotlib axes, or None for a new figure. Returns the figure."""
     if axes is None:
         axes = Figure(figsize=(14, 5)).subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
@@ -584,6 +586,12 @@ def plot_climb(rows: Sequence[TableRow], axes=None, title: str = "The climb"):
     for i, row in enumerate(rows):
         if not row.measured:
             ax.annotate(row.note, (left[i], 0), rotation=90, ha="center", va="bottom", fontsize=8, color="gray")
+    position = {row.chapter: i for i, row in enumerate(rows)}
+    placed = [(variant, position[variant.chapter]) for variant in variants if variant.qps and variant.chapter in position]
+    for n, (variant, i) in enumerate(placed):
+        bar = ax.bar(left[i], variant.qps, width / 3, color="tab:orange", edgecolor="black",
+                     label="QPS, a labelled run (its name on the bar)" if n == 0 else None)
+        ax.bar_label(bar, [variant.label], rotation=90, fontsize=7, padding=2)
     ax.set_xticks(x, [row.label for row in rows])
     ax.set_ylabel("QPS at saturation")
     ax.set_title(title)
@@ -757,7 +765,8 @@ def write_report(directory: Path, workload: str = "default", extra_notes: Mappin
     (directory / table_name).write_text(f"# The climb: profile `{profile}`, workload `{workload}`\n\n{markdown}")
 
     rows = build_rows(results, order, notes)
-    climb_figure = plot_climb(rows, title=f"The climb ({profile} profile) beside the article's")
+    variants = [row for row, _ratio in build_variant_rows(results)]
+    climb_figure = plot_climb(rows, title=f"The climb ({profile} profile) beside the article's", variants=variants)
     climb_figure.savefig(directory / climb_name, dpi=120)
     latency_figure = plot_latency_vs_load(results, title=f"Latency against load ({profile} profile)")
     latency_figure.savefig(directory / latency_name, dpi=120)

@@ -342,3 +342,19 @@ def test_the_streaming_block_is_written_from_the_comparison_files(tmp_path: Path
     for chapter, figures in mixed["chapters"].items():
         assert f"| mixed | {chapter} | {mixed['users']} | {figures['qps']:.1f} |" in block
     assert mixed["command"] in block
+
+
+def test_a_labelled_run_gets_its_own_bar_in_its_chapter_on_the_climb_chart(tmp_path: Path):
+    """A learner's ``--label ch01-mine`` run shows as a bar beside the chapter it reimplements."""
+    from benchmarks.report import build_rows, build_variant_rows, plot_climb
+    from benchmarks.results import load_results
+
+    write_synthetic_climb(tmp_path)
+    results = load_results(tmp_path, "default")
+    rows = build_rows(results, ["ch01", "ch02"], {})
+    variants = [row for row, _ in build_variant_rows(results)]
+    qps_axes = plot_climb(rows, variants=variants).axes[0]
+    bar_labels = [t.get_text() for t in qps_axes.texts]
+    assert "ch01-workers" in bar_labels, bar_labels
+    heights = {round(patch.get_height(), 3) for patch in qps_axes.patches}
+    assert round(results["ch01-workers"].saturation().qps, 3) in heights
