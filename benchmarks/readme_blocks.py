@@ -238,7 +238,66 @@ def kv_share_block(directory: Path) -> str:
     return "\n".join(lines) + "\n\nReproduce: `bash benchmarks/kv_share.sh` (the commit before one ledger, then this one; loopback only)."
 
 
+def packed_step_profile_block(directory: Path) -> str:
+    """Chapter 8's step in-process, from ``benchmarks.profile_ch08`` outputs (``<dir>/ch08/profile-*.txt``)."""
+    files = sorted((directory / "ch08").glob("profile-*.txt")) if (directory / "ch08").exists() else []
+    if not files:
+        return f"*No profile yet: `python -m benchmarks.profile_ch08 > {_repo_path(directory)}/ch08/profile-LABEL.txt`.*"
+    lines = ["| file | attention | engine | workload | requests/s | median step (ms) | model share | schedule + prepare + update |",
+             "|---|---|---|---|---|---|---|---|"]
+    for path in files:
+        text = path.read_text()
+        rate = re.search(r"= ([\d.]+) req/s(.*)", text)
+        head = re.search(r"attention (\S+), engine (\S+), workload (\S+),", text)
+        step = re.search(r"median step ([\d.]+) ms: .*model [\d.]+ ms \((\d+)%\)", text)
+        overhead = re.search(r"schedule \+ prepare \+ update = ([\d.]+%)", text)
+        if head is None:  # the profile of the commit before the packed step: cProfile's figure only
+            lines.append(f"| `{path.name}` | (before: two or more padded calls a step) | eager/fp32 | default "
+                         f"| {rate.group(1)}{' (under cProfile)' if 'cProfile' in rate.group(2) else ''} | — | — | — |")
+            continue
+        lines.append(f"| `{path.name}` | {head.group(1)} | {head.group(2)} | {head.group(3)} | {rate.group(1)} "
+                     f"| {step.group(1)} | {step.group(2)} % | {overhead.group(1)} |")
+    return "\n".join(lines) + (
+        "\n\nReproduce: `python -m benchmarks.profile_ch08 --attention A --precision P --workload W` (each file's first "
+        "lines; the rest is cProfile's report of the same steps, sorted by internal time). The file named `before` comes "
+        "from the same command at the commit before the packed step, whose step ran under cProfile only.")
+
+
+def side_by_side_block(directory: Path) -> str:
+    """Chapter 6 against chapter 8, several rounds of ``benchmarks.streaming compare`` (``<dir>/ch08/side-by-side/*.json``):
+    the median of the rounds per chapter, and chapter 8's over chapter 6's."""
+    import json
+    import statistics
+
+    files = sorted((directory / "ch08" / "side-by-side").glob("*.json")) if (directory / "ch08").exists() else []
+    if not files:
+        return f"*No side-by-side rounds yet: `python -m benchmarks.streaming compare ... --out {_repo_path(directory)}/ch08/side-by-side/NAME.json`.*"
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for path in files:
+        run = json.loads(path.read_text())
+        groups.setdefault((run["workload"], run["users"]), []).append(run)
+    lines = ["| workload | users | rounds | ch06 QPS | ch08 QPS | ch08 / ch06 | ch06 P99 (ms) | ch08 P99 (ms) | ch08 / ch06 P99 | ch08 TTFT P99 (ms) | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (workload, users), runs in sorted(groups.items()):
+        def median(chapter: str, pick) -> float:
+            return statistics.median(pick(run["chapters"][chapter]) for run in runs)
+        qps6, qps8 = median("ch06", lambda f: f["qps"]), median("ch08", lambda f: f["qps"])
+        p99_6, p99_8 = median("ch06", lambda f: f["e2e_ms"]["p99"]), median("ch08", lambda f: f["e2e_ms"]["p99"])
+        ttft8 = median("ch08", lambda f: f["ttft_ms"]["p99"])
+        errors = sum(sum(f["errors"].values()) for run in runs for f in run["chapters"].values())
+        lines.append(f"| {workload} | {users} | {len(runs)} | {qps6:.1f} | {qps8:.1f} | {qps8 / qps6:.2f}× | {p99_6:,.0f} | {p99_8:,.0f} "
+                     f"| {p99_8 / p99_6:.2f}× | {ttft8:,.0f} | {errors} |")
+    commands = sorted({f"`{json.loads(path.read_text())['command']}`" for path in files})
+    return "\n".join(lines) + "\n\nReproduce (one file per round; the rounds alternate workloads): " + "; ".join(commands) + (
+        ". Both servers at their defaults (chapter 5's engine by its rule, chapter 8's attention by its rule); "
+        "client and server share the machine's two cores unpinned. P99 is of the whole answer; chapter 8 streams.")
+
+
 def render_key(key: str, results: Mapping[str, BenchmarkResult], directory: Path, readme: Path, profile: str) -> str:
+    if key == "side-by-side":
+        return side_by_side_block(directory)
+    if key == "packed-step-profile":
+        return packed_step_profile_block(directory)
     if key == "kv-share":
         return kv_share_block(directory)
     if key == "streaming":

@@ -117,6 +117,8 @@ class ServerSeries(_Strict):
     ``points`` are polls every ``interval_s``: ``t_s`` (seconds from the window's start) and every
     numeric figure of the answer that changed during the level, flattened with dots
     (``pool.blocks_used``), counters as read; the figures that never changed are in ``constants``.
+    ``steps``: a step-level scheduler's last steps as the server kept them at the level's end (chapter
+    8's ``/stats`` ``steps.recent``: tokens, decode rows, prefill tokens, milliseconds per phase).
     """
 
     source: Literal["stats", "healthz"]
@@ -126,6 +128,7 @@ class ServerSeries(_Strict):
     requests: int | None = None
     points: list[dict[str, float]] = Field(default_factory=list)
     constants: dict[str, float] = Field(default_factory=dict)
+    steps: list[dict[str, float]] = Field(default_factory=list)
 
 
 class ResourcePoint(_Strict):

@@ -143,4 +143,5 @@ class StatsPoller:
                 for at, figures in chosen
             ],
             constants=dict(sorted(constants.items())),
+            steps=list(((self.after or {}).get("steps") or {}).get("recent") or []),
         )

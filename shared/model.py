@@ -8,6 +8,13 @@ Generation calls the model through two explicit steps, the same two every infere
 (:class:`StepModel`): :meth:`GPT.prefill` (the prompt, nothing cached yet) and :meth:`GPT.decode`
 (one more token per row, everything before it cached). Both return the last position's logits only.
 
+Attention is the one place where a token meets the others, so it is the seam: each layer computes
+its queries, keys and values and hands them to an :data:`Attend` function, which stores the new keys
+and values wherever the cache keeps them and returns the attention output. The contiguous caches
+(chapters 1-7) attend the dense way (:class:`DenseAttend`: the cache returns the whole history,
+then SDPA). :meth:`GPT.forward_packed` takes the attend function from the caller instead: one
+flattened row of every token a step computes, for a paged cache that attends in place (chapter 8).
+
 Left padding is supported for batched decoding: pass ``attention_mask`` (1 for real tokens, 0 for
 padding, covering cached and new positions) and ``position_ids`` that count real tokens only.
 Module names follow Hugging Face's GPT-2 (``h.0.attn.c_attn`` ...) so its checkpoints map one to one.
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -134,6 +142,28 @@ class DynamicKVCache:
         self._seq_len += n_tokens
 
 
+Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+"""``attend(layer, q, k, v) -> y``: q, k, v are this call's new positions, (B, H, T, D) each; the
+function stores k and v (if it caches) and returns the attention output for q, (B, H, T, D)."""
+
+
+class DenseAttend:
+    """The contiguous caches' way to attend: the cache returns every stored key and value, SDPA reads them.
+
+    ``mask`` is :func:`build_attention_mask`'s (None: plain causal, the fastest SDPA path).
+    """
+
+    def __init__(self, cache: KVCache | None, mask: Tensor | None) -> None:
+        self.cache, self.mask = cache, mask
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if self.cache is not None:
+            k, v = self.cache.update(layer, k, v)
+        if self.mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
@@ -142,17 +172,11 @@ class Attention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
 
-    def forward(self, x: Tensor, mask: Tensor | None, cache: KVCache | None) -> Tensor:
+    def forward(self, x: Tensor, attend: Attend) -> Tensor:
         batch, length, width = x.shape
         q, k, v = self.c_attn(x).split(width, dim=2)
         q, k, v = (t.view(batch, length, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
-        if cache is not None:
-            k, v = cache.update(self.layer_index, k, v)
-        if mask is None:
-            # No padding and nothing cached: the plain causal case, the fastest SDPA path.
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=length > 1)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = attend(self.layer_index, q, k, v)
         return self.c_proj(y.transpose(1, 2).reshape(batch, length, width))
 
 
@@ -174,8 +198,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, mask: Tensor | None, cache: KVCache | None) -> Tensor:
-        x = x + self.attn(self.ln_1(x), mask, cache)
+    def forward(self, x: Tensor, attend: Attend) -> Tensor:
+        x = x + self.attn(self.ln_1(x), attend)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -231,14 +255,29 @@ class GPT(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(past, past + length, device=input_ids.device)[None, :]
         x = self.wte(input_ids) + self.wpe(position_ids)
-        mask = build_attention_mask(attention_mask, past, length)
+        attend = DenseAttend(cache, build_attention_mask(attention_mask, past, length))
         for block in self.h:
-            x = block(x, mask, cache)
+            x = block(x, attend)
         if cache is not None:
             cache.advance(length)
         if last_token_only:
             x = x[:, -1:, :]
         return F.linear(self.ln_f(x), self.wte.weight)  # tied input and output embeddings
+
+    @torch.no_grad()
+    def forward_packed(self, input_ids: Tensor, position_ids: Tensor, attend: Attend, logits_indices: Tensor) -> Tensor:
+        """One packed step: float32 logits (len(logits_indices), V) at the flattened positions ``logits_indices``.
+
+        ``input_ids`` and ``position_ids`` are (N,): every token the step computes, sequence after
+        sequence, no padding. Linear layers, LayerNorm and the MLP see exactly these N tokens; which
+        token may attend to which, and where keys and values are stored, is ``attend``'s business
+        (it receives (1, H, N, D) tensors). Only the rows in ``logits_indices`` reach the output layer.
+        """
+        x = (self.wte(input_ids) + self.wpe(position_ids))[None]
+        for block in self.h:
+            x = block(x, attend)
+        x = x[0].index_select(0, logits_indices)
+        return F.linear(self.ln_f(x), self.wte.weight).float()
 
     @torch.no_grad()
     def prefill(self, input_ids: Tensor, position_ids: Tensor | None, attention_mask: Tensor | None,

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-# Chapters whose default precision is chosen by measurement (chapter 5's engine, composed by 6 and 7);
-# chapter 8 runs the eager model at --dtype (float32 by default).
-CHAPTERS_WITH_PRECISION = ("ch05", "ch06", "ch07")
+# Chapters whose default precision is chosen by measurement (chapter 5's engine, composed by 6, 7 and 8).
+CHAPTERS_WITH_PRECISION = ("ch05", "ch06", "ch07", "ch08")
 
 
 def oracle_exact_args(chapter: str) -> tuple[str, ...]:

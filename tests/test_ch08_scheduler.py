@@ -16,6 +16,8 @@ from torch import Tensor
 
 from chapters.ch03_dynamic_batching.step_loop import run_step, run_until_done
 from chapters.ch04_memory_pool.memory_pool import KVMemoryPool
+from chapters.ch08_continuous_batching.model_runner import ModelRunner
+from chapters.ch08_continuous_batching.paged_attention import build_attention
 from chapters.ch08_continuous_batching.paged_cache import PagedKVStore
 from chapters.ch08_continuous_batching.scheduler import ContinuousScheduler, SchedulerConfig, Sequence, Status
 from shared.model import ModelConfig
@@ -36,40 +38,53 @@ def fake_oracle(prompt: list[int], n: int) -> list[int]:
     return tokens[len(prompt):]
 
 
-class FakeModel:
-    """Stores each token id as its key, reads every visible key back through the cache, records each call."""
+class FakePackedModel:
+    """Stores each token id as its value and reads the values back through the paged attention backend.
+
+    Queries and keys are zero, so attention weighs every visible position equally: the output is the
+    mean token id of the positions 0 .. p each token may see, times p + 1, their sum. A wrong slot
+    mapping, block table, context length or mask gives a wrong sum, hence a wrong token.
+    Records each call (the positions it computed, each sequence's query length, the decode rows).
+    """
 
     config = FAKE_CONFIG
-    device = torch.device("cpu")
-    dtype = torch.float32
 
     def __init__(self) -> None:
         self.calls: list[dict] = []
 
-    def prefill(self, input_ids: Tensor, position_ids, attention_mask, cache) -> Tensor:
-        assert cache.seq_len == 0
-        return self._step("prefill", input_ids, position_ids, attention_mask, cache)
-
-    def decode(self, input_ids: Tensor, position_ids, attention_mask, cache) -> Tensor:
-        assert cache.seq_len > 0
-        return self._step("decode", input_ids, position_ids, attention_mask, cache)
-
-    def _step(self, kind: str, input_ids: Tensor, position_ids, attention_mask, cache) -> Tensor:
-        batch, new = input_ids.shape
-        self.calls.append({"kind": kind, "rows": batch, "new": new, "past": cache.seq_len, "positions": position_ids.tolist()})
-        key = torch.stack([input_ids.float(), torch.ones_like(input_ids, dtype=torch.float)], dim=-1)[:, None]  # (B, 1, T, 2)
-        keys, _ = cache.update(0, key, key.clone())
-        cache.advance(new)
-        visible = torch.ones(keys.shape[:1] + keys.shape[2:3]) if attention_mask is None else attention_mask.float()
-        total = (keys[:, 0, :, 0] * visible).sum(dim=1)
-        count = (keys[:, 0, :, 1] * visible).sum(dim=1)
-        next_ids = ((total.round().long() * 31 + count.round().long() * 7) % FAKE_CONFIG.vocab_size)
-        return torch.nn.functional.one_hot(next_ids, FAKE_CONFIG.vocab_size).float()
+    def forward_packed(self, input_ids: Tensor, position_ids: Tensor, attend, logits_indices: Tensor) -> Tensor:
+        n = input_ids.shape[0]
+        value = torch.stack([input_ids.double(), torch.ones(n, dtype=torch.double)], dim=-1).float()[None, None]  # (1, 1, N, 2)
+        zeros = torch.zeros_like(value)
+        mean = attend(0, zeros, zeros.clone(), value)[0, 0, :, 0]  # (N,)
+        count = position_ids + 1
+        total = (mean.double() * count).round().long()
+        next_ids = (total * 31 + count * 7) % FAKE_CONFIG.vocab_size
+        self.calls.append({"positions": position_ids.tolist(), "logits_indices": logits_indices.tolist()})
+        return torch.nn.functional.one_hot(next_ids[logits_indices], FAKE_CONFIG.vocab_size).float()
 
 
-def fake_scheduler(max_num_seqs: int, budget: int, policy: str = "grow", blocks: int = 16, block_tokens: int = 4) -> ContinuousScheduler:
+class FakeRunner(ModelRunner):
+    """Chapter 8's model runner (packing, slot mapping, attention backend) around :class:`FakePackedModel`."""
+
+    def execute(self, rows, num_decodes: int) -> Tensor:
+        self.model.calls.append({"query_lens": [len(r.new_ids) for r in rows], "decodes": num_decodes})
+        logits = super().execute(rows, num_decodes)
+        packed = self.model.calls.pop()
+        self.model.calls[-1].update(packed)
+        return logits
+
+    @property
+    def calls(self) -> list[dict]:
+        return self.model.calls
+
+
+def fake_setup(max_num_seqs: int, budget: int, policy: str = "grow", blocks: int = 16, block_tokens: int = 4,
+               attention: str = "gather") -> tuple[ContinuousScheduler, FakeRunner]:
     pool = KVMemoryPool(FAKE_CONFIG, blocks * block_tokens, block_tokens=block_tokens)
-    return ContinuousScheduler(PagedKVStore(pool), SchedulerConfig(max_num_seqs, budget, policy), PAD)
+    store = PagedKVStore(pool)
+    scheduler = ContinuousScheduler(store, SchedulerConfig(max_num_seqs, budget, policy))
+    return scheduler, FakeRunner(FakePackedModel(), store, build_attention(attention, store))
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -77,7 +92,7 @@ def prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(PAD) for _ in range(n)]
 
 
-def run_and_check(scheduler: ContinuousScheduler, model: FakeModel, seqs: list[Sequence]) -> None:
+def run_and_check(scheduler: ContinuousScheduler, model: FakeRunner, seqs: list[Sequence]) -> None:
     for seq in seqs:
         scheduler.add(seq)
     while run_step(scheduler, model):
@@ -91,7 +106,7 @@ def run_and_check(scheduler: ContinuousScheduler, model: FakeModel, seqs: list[S
 
 @pytest.mark.exercise("ch08.2")
 def test_admission_stops_at_max_num_seqs_and_a_finished_sequence_frees_its_row_at_once() -> None:
-    scheduler, model = fake_scheduler(max_num_seqs=2, budget=64), FakeModel()
+    scheduler, model = fake_setup(max_num_seqs=2, budget=64)
     short, long_, third = Sequence(prompt(3, 1), 1), Sequence(prompt(3, 2), 5), Sequence(prompt(3, 3), 2)
     for seq in (short, long_, third):
         scheduler.add(seq)
@@ -99,15 +114,16 @@ def test_admission_stops_at_max_num_seqs_and_a_finished_sequence_frees_its_row_a
     assert short.status is Status.FINISHED and list(scheduler.running) == [long_] and list(scheduler.waiting) == [third]
     run_step(scheduler, model)  # `third` joins while `long_` decodes: no waiting for the batch's end
     assert scheduler.running == [long_, third]
-    assert model.calls[-2]["rows"] == 1 and model.calls[-2]["new"] == 1  # long_'s decode
-    assert model.calls[-1]["kind"] == "prefill" and model.calls[-1]["new"] == 3  # third's prompt
+    # ONE packed call: long_'s decode, then third's whole prompt; logits for both (both sample)
+    assert model.calls[-1]["query_lens"] == [1, 3] and model.calls[-1]["decodes"] == 1
+    assert model.calls[-1]["logits_indices"] == [0, 3]
     run_and_check(scheduler, model, [])
     assert long_.output_ids == fake_oracle(long_.prompt_ids, 5)
 
 
 @pytest.mark.exercise("ch08.2")
 def test_the_token_budget_chunks_prompts_at_the_right_offsets() -> None:
-    scheduler, model = fake_scheduler(max_num_seqs=4, budget=16), FakeModel()
+    scheduler, model = fake_setup(max_num_seqs=4, budget=16)
     first, second, third = Sequence(prompt(10, 4), 3), Sequence(prompt(10, 5), 3), Sequence(prompt(10, 6), 3)
     for seq in (first, second, third):
         scheduler.add(seq)
@@ -125,20 +141,21 @@ def test_the_token_budget_chunks_prompts_at_the_right_offsets() -> None:
 
 @pytest.mark.exercise("ch08.2")
 def test_a_prompt_longer_than_the_budget_is_prefilled_in_chunks_then_sampled_once() -> None:
-    scheduler, model = fake_scheduler(max_num_seqs=2, budget=16), FakeModel()
+    scheduler, model = fake_setup(max_num_seqs=2, budget=16)
     seq = Sequence(prompt(40, 7), 2)
     scheduler.add(seq)
     run_until_done(scheduler, model)
     # (the position of each call's first new token: the positions already cached, whatever the layout)
-    assert [(c["positions"][0][0], c["new"]) for c in model.calls] == [(0, 16), (16, 16), (32, 8), (40, 1)]
-    assert model.calls[1]["positions"] == [list(range(16, 32))]
+    assert [(c["positions"][0], len(c["positions"])) for c in model.calls] == [(0, 16), (16, 16), (32, 8), (40, 1)]
+    assert model.calls[1]["positions"] == list(range(16, 32))
+    assert [c["logits_indices"] for c in model.calls] == [[], [], [7], [0]]  # logits only where a token is sampled
     assert seq.output_ids == fake_oracle(seq.prompt_ids, 2)
 
 
 @pytest.mark.exercise("ch08.3")
 def test_grow_preempts_the_newest_by_recompute_and_every_sequence_still_gets_the_oracles_tokens() -> None:
     # 16 blocks of 4 tokens; three sequences that each reach 39 positions (10 blocks) cannot all stay.
-    scheduler, model = fake_scheduler(max_num_seqs=3, budget=64, policy="grow"), FakeModel()
+    scheduler, model = fake_setup(max_num_seqs=3, budget=64, policy="grow")
     seqs = [Sequence(prompt(20, 10 + i), 20) for i in range(3)]
     run_and_check(scheduler, model, seqs)
     assert scheduler.stats.preemptions > 0
@@ -148,7 +165,7 @@ def test_grow_preempts_the_newest_by_recompute_and_every_sequence_still_gets_the
 
 @pytest.mark.exercise("ch08.2")
 def test_reserve_admits_only_what_fits_whole_and_never_preempts() -> None:
-    scheduler, model = fake_scheduler(max_num_seqs=3, budget=64, policy="reserve"), FakeModel()
+    scheduler, model = fake_setup(max_num_seqs=3, budget=64, policy="reserve")
     seqs = [Sequence(prompt(20, 20 + i), 20) for i in range(3)]
     for seq in seqs:
         scheduler.add(seq)
@@ -161,7 +178,7 @@ def test_reserve_admits_only_what_fits_whole_and_never_preempts() -> None:
 
 
 def test_abort_frees_the_blocks_before_the_next_step() -> None:
-    scheduler, model = fake_scheduler(max_num_seqs=4, budget=64), FakeModel()
+    scheduler, model = fake_setup(max_num_seqs=4, budget=64)
     kept, dropped = Sequence(prompt(9, 30), 10), Sequence(prompt(9, 31), 10)
     scheduler.add(kept), scheduler.add(dropped)
     run_step(scheduler, model)
@@ -180,17 +197,20 @@ def mixed_requests(n: int, seed: int, max_new: int) -> list[tuple[list[int], int
     return [([rng.randrange(256) for _ in range(rng.randint(4, 128))], rng.randint(1, max_new)) for _ in range(n)]
 
 
-def real_scheduler(default_model, policy: str, pool_tokens: int, max_num_seqs: int = 16, budget: int = 128) -> ContinuousScheduler:
-    config = default_model.config
-    pool = KVMemoryPool(config, pool_tokens, block_tokens=16)
-    return ContinuousScheduler(PagedKVStore(pool), SchedulerConfig(max_num_seqs, budget, policy), default_model.tokenizer.pad_id)
+def real_setup(default_model, policy: str, pool_tokens: int, max_num_seqs: int = 16, budget: int = 128,
+               attention: str = "gather") -> tuple[ContinuousScheduler, ModelRunner]:
+    pool = KVMemoryPool(default_model.config, pool_tokens, block_tokens=16)
+    store = PagedKVStore(pool)
+    scheduler = ContinuousScheduler(store, SchedulerConfig(max_num_seqs, budget, policy))
+    return scheduler, ModelRunner(default_model.model, store, build_attention(attention, store))
 
 
-def check_against_oracle(default_model, oracle, scheduler: ContinuousScheduler, requests) -> None:
+def check_against_oracle(default_model, oracle, setup: tuple[ContinuousScheduler, ModelRunner], requests) -> None:
+    scheduler, runner = setup
     seqs = [Sequence(p, n) for p, n in requests]
     for seq in seqs:
         scheduler.add(seq)
-    run_until_done(scheduler, default_model.model)
+    run_until_done(scheduler, runner)
     for seq, (p, n) in zip(seqs, requests):
         assert seq.output_ids == oracle(p, n), f"prompt of {len(p)}, {n} new tokens, {seq.preemptions} preemptions"
     assert scheduler.manager.free_blocks == scheduler.manager.total_blocks
@@ -199,8 +219,8 @@ def check_against_oracle(default_model, oracle, scheduler: ContinuousScheduler, 
 @pytest.mark.parametrize(("policy", "pool_tokens"), [("grow", 528), ("reserve", 4096)])
 @pytest.mark.exercise("ch08.2")
 def test_concurrent_mixed_requests_get_the_oracles_tokens(default_model, oracle, policy: str, pool_tokens: int) -> None:
-    scheduler = real_scheduler(default_model, policy, pool_tokens, max_num_seqs=8, budget=64)
-    check_against_oracle(default_model, oracle, scheduler, mixed_requests(12, seed=8, max_new=32))
+    scheduler, runner = real_setup(default_model, policy, pool_tokens, max_num_seqs=8, budget=64)
+    check_against_oracle(default_model, oracle, (scheduler, runner), mixed_requests(12, seed=8, max_new=32))
     if policy == "grow":
         assert scheduler.stats.preemptions > 0  # the small pool forced some: resumed ones are checked too
 
@@ -208,5 +228,21 @@ def test_concurrent_mixed_requests_get_the_oracles_tokens(default_model, oracle,
 @pytest.mark.slow
 @pytest.mark.parametrize(("policy", "pool_tokens"), [("grow", 1024), ("reserve", 8192)])
 def test_64_concurrent_mixed_requests_get_the_oracles_tokens(default_model, oracle, policy: str, pool_tokens: int) -> None:
-    scheduler = real_scheduler(default_model, policy, pool_tokens, max_num_seqs=32, budget=256)
-    check_against_oracle(default_model, oracle, scheduler, mixed_requests(64, seed=64, max_new=64))
+    check_against_oracle(default_model, oracle, real_setup(default_model, policy, pool_tokens, max_num_seqs=32, budget=256),
+                         mixed_requests(64, seed=64, max_new=64))
+
+
+@pytest.mark.parametrize("attention", ["gather", "flex"])
+def test_every_attention_backend_reads_the_paged_cache_right_through_the_fake_model(attention: str) -> None:
+    # scattered tables, chunked prefill beside decodes, preemption: the fake model's sums see every slot
+    scheduler, model = fake_setup(max_num_seqs=3, budget=8, blocks=16, block_tokens=4, attention=attention)
+    seqs = [Sequence(prompt(n, 200 + n), 20) for n in (5, 11, 17)]
+    run_and_check(scheduler, model, seqs)
+    assert scheduler.stats.preemptions > 0
+
+
+@pytest.mark.parametrize("attention", ["flex"])
+def test_flex_attention_gives_the_oracles_tokens_under_chunked_prefill_and_preemption(default_model, oracle, attention: str) -> None:
+    scheduler, runner = real_setup(default_model, "grow", 528, max_num_seqs=8, budget=64, attention=attention)
+    check_against_oracle(default_model, oracle, (scheduler, runner), mixed_requests(12, seed=8, max_new=32))
+    assert scheduler.stats.preemptions > 0

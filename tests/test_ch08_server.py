@@ -19,38 +19,23 @@ from chapters.ch08_continuous_batching.server import ContinuousSettings, build_a
 
 
 class GatedModel:
-    """The real model, but each step waits for the test to open the gate (or fails, when told to)."""
+    """The real model, but each packed step waits for the test to open the gate (or fails, when told to)."""
 
     def __init__(self, model) -> None:
-        self.model, self.config = model, model.config
+        self.model = model
         self.gate = threading.Event()
         self.gate.set()
         self.fail = False
 
-    @property
-    def device(self):
-        return self.model.device
-
-    @property
-    def dtype(self):
-        return self.model.dtype
-
-    def _wait(self) -> None:
+    def forward_packed(self, *args):
         assert self.gate.wait(timeout=60)
         if self.fail:
             raise RuntimeError("injected failure")
-
-    def prefill(self, *args):
-        self._wait()
-        return self.model.prefill(*args)
-
-    def decode(self, *args):
-        self._wait()
-        return self.model.decode(*args)
+        return self.model.forward_packed(*args)
 
 
 def settings(**overrides) -> ContinuousSettings:
-    base = {"weights": "default", "device": "cpu", "pool_tokens": 2048, "max_num_seqs": 4, "max_num_batched_tokens": 64}
+    base = {"weights": "default", "device": "cpu", "precision": "fp32", "pool_tokens": 2048, "max_num_seqs": 4, "max_num_batched_tokens": 64}
     return ContinuousSettings(**{**base, **overrides})
 
 

@@ -1,5 +1,5 @@
 """Graded tests of chapter 8's exercises: paged allocation (ch08.1), admission under two budgets (ch08.2),
-preemption by recompute (ch08.3).
+preemption by recompute (ch08.3), the packed step's inputs (ch08.4), the slot mapping (ch08.5).
 
 Pure bookkeeping and a fake model: the block manager is checked against a plain oracle (a FIFO free
 list and a count per block), the scheduler with the fake model of ``test_ch08_scheduler.py``, whose
@@ -10,20 +10,24 @@ resume gives a wrong token. Everything is synchronous: a stub raises in the call
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_ch08_scheduler import (
-    FakeModel,
+    FAKE_CONFIG,
     fake_oracle,
-    fake_scheduler,
+    fake_setup,
     prompt,
     run_and_check,
 )
 
 from chapters.ch03_dynamic_batching.step_loop import run_step
+from chapters.ch04_memory_pool.memory_pool import KVMemoryPool
 from chapters.ch08_continuous_batching.block_manager import BlockManager, OutOfBlocks
+from chapters.ch08_continuous_batching.model_runner import pack_rows
+from chapters.ch08_continuous_batching.paged_cache import PagedKVStore
 from chapters.ch08_continuous_batching.scheduler import Sequence, Status
 
 # ----------------------------------------------------------------------------- ch08.1: paged allocation
@@ -110,7 +114,7 @@ def test_tables_and_the_free_list_follow_a_plain_oracle(operations: list[tuple[b
 
 @pytest.mark.exercise("ch08.2")
 def test_no_more_than_max_num_seqs_run_and_a_freed_row_is_taken_at_the_next_step() -> None:
-    scheduler, model = fake_scheduler(max_num_seqs=2, budget=64), FakeModel()
+    scheduler, model = fake_setup(max_num_seqs=2, budget=64)
     seqs = [Sequence(prompt(3, 40 + i), n) for i, n in enumerate((1, 4, 2))]
     for seq in seqs:
         scheduler.add(seq)
@@ -128,7 +132,7 @@ def test_no_more_than_max_num_seqs_run_and_a_freed_row_is_taken_at_the_next_step
 
 @pytest.mark.exercise("ch08.2")
 def test_the_token_budget_cuts_the_last_admitted_prompt_into_a_chunk() -> None:
-    scheduler, model = fake_scheduler(max_num_seqs=4, budget=12), FakeModel()
+    scheduler, model = fake_setup(max_num_seqs=4, budget=12)
     first, second, third = Sequence(prompt(8, 50), 2), Sequence(prompt(8, 51), 2), Sequence(prompt(8, 52), 2)
     for seq in (first, second, third):
         scheduler.add(seq)
@@ -144,7 +148,7 @@ def test_the_token_budget_cuts_the_last_admitted_prompt_into_a_chunk() -> None:
 @pytest.mark.exercise("ch08.2")
 def test_nobody_overtakes_a_head_of_the_queue_that_does_not_fit() -> None:
     # reserve: a sequence takes the blocks of its whole life when admitted. 16 blocks of 4 tokens.
-    scheduler, model = fake_scheduler(max_num_seqs=4, budget=64, policy="reserve"), FakeModel()
+    scheduler, model = fake_setup(max_num_seqs=4, budget=64, policy="reserve")
     big, huge, small = Sequence(prompt(20, 60), 20), Sequence(prompt(20, 61), 10), Sequence(prompt(2, 62), 1)
     for seq in (big, huge, small):
         scheduler.add(seq)
@@ -161,7 +165,7 @@ def test_nobody_overtakes_a_head_of_the_queue_that_does_not_fit() -> None:
 
 @pytest.mark.exercise("ch08.3")
 def test_preempt_frees_the_blocks_keeps_the_tokens_and_puts_the_sequence_first_in_line() -> None:
-    scheduler, model = fake_scheduler(max_num_seqs=4, budget=64), FakeModel()
+    scheduler, model = fake_setup(max_num_seqs=4, budget=64)
     older, newer, queued = Sequence(prompt(6, 70), 5), Sequence(prompt(6, 71), 5), Sequence(prompt(6, 72), 5)
     scheduler.add(older), scheduler.add(newer)
     run_step(scheduler, model)
@@ -183,7 +187,7 @@ def test_preempt_frees_the_blocks_keeps_the_tokens_and_puts_the_sequence_first_i
 @pytest.mark.exercise("ch08.3")
 def test_when_decodes_are_short_of_blocks_the_newest_is_preempted_never_the_oldest() -> None:
     # 16 blocks of 4 tokens; two sequences that each reach 39 positions (10 blocks) cannot both stay.
-    scheduler, model = fake_scheduler(max_num_seqs=2, budget=64), FakeModel()
+    scheduler, model = fake_setup(max_num_seqs=2, budget=64)
     oldest, newest = Sequence(prompt(20, 80), 20), Sequence(prompt(20, 81), 20)
     run_and_check(scheduler, model, [oldest, newest])
     assert oldest.preemptions == 0 and newest.preemptions >= 1
@@ -192,7 +196,7 @@ def test_when_decodes_are_short_of_blocks_the_newest_is_preempted_never_the_olde
 
 def three_prefilled() -> tuple:
     """Three running sequences of one block each, and every other block held outside the scheduler."""
-    scheduler, model = fake_scheduler(max_num_seqs=3, budget=64), FakeModel()
+    scheduler, model = fake_setup(max_num_seqs=3, budget=64)
     seqs = [Sequence(prompt(4, 90 + i), 6) for i in range(3)]
     for seq in seqs:
         scheduler.add(seq)
@@ -220,3 +224,67 @@ def test_a_sequence_that_is_itself_the_newest_gives_way() -> None:
     assert scheduler._make_room(c, 8) is False
     assert scheduler.running == [a, b] and list(scheduler.waiting) == [c] and c.status is Status.WAITING
     assert c.seq_id not in scheduler.manager.tables and scheduler.manager.free_blocks == 1
+
+
+# ----------------------------------------------------------------------------- ch08.4: packed inputs
+
+
+@dataclass(frozen=True)
+class Row:
+    """A planned row as the runner sees it (the scheduler's ``ScheduledRow`` has the same fields)."""
+
+    seq_id: int
+    new_ids: list[int]
+    start: int
+    samples: bool
+
+
+@pytest.mark.exercise("ch08.4")
+def test_rows_are_flattened_with_positions_cumulative_lengths_and_logits_only_where_a_token_is_sampled() -> None:
+    rows = [Row(1, [9], 9, True), Row(2, [4], 4, True), Row(3, [10, 11, 12, 13], 0, True), Row(4, [16, 17, 18], 16, False)]
+    input_ids, positions, query_start, logits_indices = pack_rows(rows)
+    assert input_ids == [9, 4, 10, 11, 12, 13, 16, 17, 18]
+    assert positions == [9, 4, 0, 1, 2, 3, 16, 17, 18], "each token's position in ITS sequence"
+    assert query_start == [0, 1, 2, 6, 9], "row i owns tokens query_start[i] .. query_start[i + 1] - 1"
+    assert logits_indices == [0, 1, 5], "the last token of each SAMPLING row; row 4 is a partial prompt chunk"
+
+
+@pytest.mark.exercise("ch08.4")
+def test_a_step_of_only_partial_chunks_asks_for_no_logits() -> None:
+    assert pack_rows([Row(7, [1, 2], 30, False)]) == ([1, 2], [30, 31], [0, 2], [])
+    assert pack_rows([]) == ([], [], [0], [])
+
+
+@pytest.mark.exercise("ch08.4")
+def test_the_packed_step_gives_the_fake_models_tokens_for_decodes_and_chunks_in_one_call() -> None:
+    scheduler, model = fake_setup(max_num_seqs=4, budget=12)
+    seqs = [Sequence(prompt(n, 120 + n), 5) for n in (3, 10, 7)]
+    run_and_check(scheduler, model, seqs)  # chunked prefill beside decodes, one packed call per step
+    assert all(sum(c["query_lens"]) == len(c["positions"]) for c in model.calls)
+
+
+# ----------------------------------------------------------------------------- ch08.5: the slot mapping
+
+
+@pytest.mark.exercise("ch08.5")
+def test_each_position_maps_to_its_block_and_offset_through_the_table() -> None:
+    pool = KVMemoryPool(FAKE_CONFIG, 16 * 4, block_tokens=4)
+    store = PagedKVStore(pool)
+    store.manager.allocate("other", 4)  # block 0
+    store.manager.allocate("a", 6)  # blocks 1, 2
+    store.manager.allocate("b", 4)  # block 3
+    store.manager.grow_to("a", 9)  # block 4: a's table is [1, 2, 4]
+    assert store.manager.tables["a"] == [1, 2, 4]
+    assert store.slots("a", 0, 9) == [4, 5, 6, 7, 8, 9, 10, 11, 16], "position p -> table[p // 4] * 4 + p % 4"
+    assert store.slots("a", 7, 9) == [11, 16], "a later chunk starts mid-block"
+    assert store.slots("b", 3, 4) == [15]
+
+
+@pytest.mark.exercise("ch08.5")
+def test_a_wrong_slot_gives_wrong_tokens_through_the_fake_model() -> None:
+    # scattered tables (blocks freed in between are reused out of order) must still read back right
+    scheduler, model = fake_setup(max_num_seqs=3, budget=64, blocks=24)
+    first = [Sequence(prompt(6, 140 + i), 3) for i in range(3)]
+    run_and_check(scheduler, model, first)
+    later = [Sequence(prompt(9, 150 + i), 7) for i in range(3)]
+    run_and_check(scheduler, model, later)

@@ -23,6 +23,7 @@ from typing import Literal
 import uvicorn
 from fastapi import FastAPI
 from pydantic import Field
+from pydantic_settings import BaseSettings
 
 from chapters.ch02_fastapi_async.api import create_app
 from chapters.ch03_dynamic_batching.batcher import DynamicBatcher
@@ -37,14 +38,16 @@ from chapters.ch04_memory_pool.server import (
 from chapters.ch05_inference_engine.engine import Engine
 from chapters.ch05_inference_engine.engines import build_engine
 from shared.devices import choose_device, set_threads
-from shared.settings import parse_settings
+from shared.settings import ServerSettings, parse_settings
 from shared.weights import LoadedModel, load_model
 
 log = logging.getLogger("chapters.ch05_inference_engine")
 
 
-class EngineSettings(PoolSettings):
-    """Chapter 4's knobs plus the engine and its precision."""
+class EngineOptions(BaseSettings):
+    """The engine and its precision: an option group any server that runs chapter 5's engine composes."""
+
+    model_config = ServerSettings.model_config
 
     engine: Literal["auto", "eager", "compile", "onnxruntime", "tensorrt", "cudagraph"] = Field(
         "auto", description="what runs the model: auto = the measured rule (engines.py); with a named precision, eager"
@@ -54,7 +57,11 @@ class EngineSettings(PoolSettings):
     )
 
 
-def engine_for(settings: EngineSettings, loaded: LoadedModel) -> Engine:
+class EngineSettings(EngineOptions, PoolSettings):
+    """Chapter 4's knobs plus the engine and its precision."""
+
+
+def engine_for(settings: EngineOptions, loaded: LoadedModel) -> Engine:
     """The engine the settings ask for; fails at start-up (with the reason) when it cannot run here,
     rather than serving something else than was asked for."""
     engine = build_engine(loaded.model, settings.engine, settings.precision)

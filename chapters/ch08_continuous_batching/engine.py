@@ -6,8 +6,9 @@ The event loop never computes and the engine thread never touches asyncio object
   it in an inbox under a lock and wake the thread (a condition variable: an idle engine sleeps, it
   does not poll);
 - between two steps the thread moves the inbox into the scheduler, aborts what was cancelled or is
-  past its deadline (its blocks are free before the next step is planned), and turns
-  :func:`~chapters.ch03_dynamic_batching.step_loop.run_step` once;
+  past its deadline (its blocks are free before the next step is planned), and turns chapter 3's
+  loop once (schedule, execute, update), timing each phase (:class:`StepClock`: the scheduler's own
+  cost must stay small and visible);
 - what a step produced (new tokens, finished sequences) is handed back to the loop in ONE
   ``loop.call_soon_threadsafe`` per step, where each request's :class:`RequestStream` receives it.
 
@@ -21,12 +22,12 @@ import asyncio
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
-from chapters.ch03_dynamic_batching.step_loop import run_step
+from chapters.ch08_continuous_batching.model_runner import ModelRunner
 from chapters.ch08_continuous_batching.scheduler import ContinuousScheduler, Sequence
-from shared.model import StepModel
 from shared.schemas import ApiError
 
 log = logging.getLogger(__name__)
@@ -88,11 +89,49 @@ class _StepListener:
         return out
 
 
-class EngineLoop:
-    """Owns the scheduler and the model call; everything that changes them runs in its one thread."""
+@dataclass(frozen=True)
+class StepRecord:
+    """One step: what it computed and where its time went (milliseconds)."""
 
-    def __init__(self, model: StepModel, scheduler: ContinuousScheduler) -> None:
-        self.model, self.scheduler = model, scheduler
+    tokens: int  # tokens computed: decode rows + prompt-chunk tokens
+    decode_rows: int
+    prefill_tokens: int
+    running: int  # sequences running after the step
+    schedule_ms: float
+    prepare_ms: float  # the runner's input preparation (packing, slot mapping, attention metadata)
+    model_ms: float
+    update_ms: float
+
+
+class StepClock:
+    """Per-phase time of every step: running totals, and the last ``keep`` steps for /stats and the notebook."""
+
+    PHASES = ("schedule", "prepare", "model", "update")
+
+    def __init__(self, keep: int = 256) -> None:
+        self.totals_s = dict.fromkeys(self.PHASES, 0.0)
+        self.recent: deque[StepRecord] = deque(maxlen=keep)
+
+    def record(self, record: StepRecord) -> None:
+        for phase in self.PHASES:
+            self.totals_s[phase] += getattr(record, f"{phase}_ms") / 1e3
+        self.recent.append(record)
+
+    def describe(self) -> dict:
+        total = sum(self.totals_s.values())
+        return {
+            "seconds": {phase: round(value, 4) for phase, value in self.totals_s.items()},
+            "share": {phase: round(value / total, 4) if total else None for phase, value in self.totals_s.items()},
+            "recent": [asdict(r) for r in self.recent],
+        }
+
+
+class EngineLoop:
+    """Owns the scheduler and the model runner; everything that changes them runs in its one thread."""
+
+    def __init__(self, runner: ModelRunner, scheduler: ContinuousScheduler) -> None:
+        self.runner, self.scheduler = runner, scheduler
+        self.clock = StepClock()
         self._listener = _StepListener()
         scheduler.listener = self._listener
         self._wake = threading.Condition()
@@ -152,12 +191,30 @@ class EngineLoop:
                     self._listener.end(seq, error)
             self._abort_expired()
             try:
-                run_step(scheduler, self.model)
+                self._step()
             except Exception as exc:  # noqa: BLE001 - one failed step must not stop the server
                 log.exception("a step failed; failing the sequences it computed")
                 self.failed_steps += 1
                 self._fail_running(exc)
             self._flush()
+
+    def _step(self) -> None:
+        """Chapter 3's :func:`~chapters.ch03_dynamic_batching.step_loop.run_step`, each phase timed."""
+        started = time.perf_counter()
+        step = self.scheduler.schedule()
+        if step is None:
+            return
+        scheduled = time.perf_counter()
+        logits = step.execute(self.runner)
+        executed = time.perf_counter()
+        self.scheduler.update(step, logits)
+        done = time.perf_counter()
+        self.clock.record(StepRecord(
+            tokens=step.num_tokens, decode_rows=len(step.decode_rows), prefill_tokens=step.num_tokens - len(step.decode_rows),
+            running=len(self.scheduler.running), schedule_ms=(scheduled - started) * 1e3,
+            prepare_ms=self.runner.last_prepare_s * 1e3, model_ms=self.runner.last_model_s * 1e3,
+            update_ms=(done - executed) * 1e3,
+        ))
 
     def _abort_expired(self) -> None:
         now = time.perf_counter()

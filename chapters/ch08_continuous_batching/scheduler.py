@@ -21,9 +21,11 @@ decides again before every model call (Orca's iteration-level scheduling):
 ``update`` appends each sampled token (greedy), and a sequence that has its tokens is retired AT
 ONCE: its blocks go back to the free list before the next step is planned.
 
-Nothing here knows about threads, HTTP or asyncio: a :class:`SequenceListener` hears about tokens
-and finished sequences (the engine turns that into futures and streams), and tests drive the
-scheduler with a fake model and plain loops.
+The plan is plain data (:class:`ContinuousStep`: decode rows, then prompt chunks); the model runner
+(:mod:`~chapters.ch08_continuous_batching.model_runner`) turns it into ONE packed forward pass.
+Nothing here knows about tensors beyond the logits, threads, HTTP or asyncio: a
+:class:`SequenceListener` hears about tokens and finished sequences (the engine turns that into
+futures and streams), and tests drive the scheduler with a fake model and plain loops.
 """
 
 from __future__ import annotations
@@ -40,8 +42,7 @@ import torch
 from torch import Tensor
 
 from chapters.ch08_continuous_batching.block_manager import OutOfBlocks
-from chapters.ch08_continuous_batching.paged_cache import PagedBatchCache, PagedKVStore, RowSpan
-from shared.model import StepModel
+from chapters.ch08_continuous_batching.paged_cache import PagedKVStore
 
 KVPolicy = Literal["reserve", "grow"]
 
@@ -146,12 +147,16 @@ class ScheduledRow:
     length: int
 
     @property
-    def samples(self) -> bool:
-        return self.start + self.length == len(self.seq.token_ids)
+    def seq_id(self) -> int:
+        return self.seq.seq_id
 
     @property
-    def is_decode(self) -> bool:
-        return self.length == 1 and self.start == len(self.seq.token_ids) - 1 and self.seq.num_generated > 0
+    def new_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start : self.start + self.length]
+
+    @property
+    def samples(self) -> bool:
+        return self.start + self.length == len(self.seq.token_ids)
 
 
 @dataclass
@@ -166,53 +171,32 @@ class SchedulerStats:
     aborted: int = 0
 
 
-@dataclass
-class ContinuousStep:
-    """One model call's worth of work: decode rows in one batched call, prefill chunks in as few as fit."""
+class StepRunner(Protocol):
+    """What computes a step: the model runner, or a test's fake."""
 
-    store: PagedKVStore
+    def execute(self, rows: list[ScheduledRow], num_decodes: int) -> Tensor:
+        """float32 logits (R, V) of the rows that sample, in row order."""
+        ...
+
+
+@dataclass(frozen=True)
+class ContinuousStep:
+    """One step's plan, plain data: rows with one new token each (decodes) first, then prompt chunks."""
+
     decode_rows: list[ScheduledRow]
     prefill_rows: list[ScheduledRow]
-    pad_id: int
 
     @property
     def rows(self) -> list[ScheduledRow]:
-        """The order of ``execute``'s logits."""
         return self.decode_rows + self.prefill_rows
 
-    def execute(self, model: StepModel) -> Tensor:
-        """Decode rows in one batched call; prompt chunks in one call per shape (same start, same length),
-        so no padding is computed: padding a prompt pass costs as much as real tokens."""
-        logits: list[Tensor] = []
-        order: list[int] = []  # the row (index into ``rows``) of each logits row, in call order
-        if self.decode_rows:
-            logits.append(self._call(model, self.decode_rows))
-            order += range(len(self.decode_rows))
-        for indices in _groups_of_one_shape(self.prefill_rows):
-            logits.append(self._call(model, [self.prefill_rows[i] for i in indices]))
-            order += [len(self.decode_rows) + i for i in indices]
-        computed = torch.cat(logits) if len(logits) > 1 else logits[0]
-        if order == sorted(order):
-            return computed
-        in_row_order = torch.empty_like(computed)
-        in_row_order[torch.tensor(order, device=computed.device)] = computed
-        return in_row_order
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode_rows) + sum(row.length for row in self.prefill_rows)
 
-    def _call(self, model: StepModel, rows: list[ScheduledRow]) -> Tensor:
-        spans = [RowSpan(r.seq.seq_id, r.start, r.seq.token_ids[r.start : r.start + r.length]) for r in rows]
-        cache = PagedBatchCache(self.store, spans, self.pad_id)
-        if cache.seq_len == 0:  # every row starts its prompt: an ordinary prompt pass
-            return model.prefill(cache.input_ids, cache.position_ids, cache.attention_mask, cache)
-        # Later chunks of a prompt are "decode" with several new tokens: the cache holds the rest.
-        return model.decode(cache.input_ids, cache.position_ids, cache.attention_mask, cache)
-
-
-def _groups_of_one_shape(rows: list[ScheduledRow]) -> list[list[int]]:
-    """Indices of ``rows`` grouped by (start, length): rows of one group need no padding at all."""
-    groups: dict[tuple[int, int], list[int]] = {}
-    for index, row in enumerate(rows):
-        groups.setdefault((row.start, row.length), []).append(index)
-    return list(groups.values())
+    def execute(self, runner: StepRunner) -> Tensor:
+        """Every row in ONE packed call (chapter 3's loop calls this with the model runner)."""
+        return runner.execute(self.rows, len(self.decode_rows))
 
 
 class ContinuousScheduler:
@@ -222,11 +206,10 @@ class ContinuousScheduler:
         self,
         store: PagedKVStore,
         config: SchedulerConfig,
-        pad_id: int,
         listener: SequenceListener | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        self.store, self.config, self.pad_id = store, config, pad_id
+        self.store, self.config = store, config
         self.manager = store.manager
         self.listener = listener
         self.clock = clock
@@ -266,20 +249,20 @@ class ContinuousScheduler:
 
     def schedule(self) -> ContinuousStep | None:
         budget = self.config.max_num_batched_tokens
-        decode_rows, prefill_rows = self._schedule_decodes()
+        decode_rows = self._schedule_decodes()
         budget -= len(decode_rows)
         continuing, budget = self._continue_prefills(budget)
         admitted, budget = self._admit(budget)
-        prefill_rows += continuing + admitted
+        prefill_rows = continuing + admitted
         if not decode_rows and not prefill_rows:
             return None
         now = self.clock()
         for row in decode_rows + prefill_rows:
             if row.seq.scheduled_at is None:
                 row.seq.scheduled_at = now
-        return ContinuousStep(self.store, decode_rows, prefill_rows, self.pad_id)
+        return ContinuousStep(decode_rows, prefill_rows)
 
-    def _schedule_decodes(self) -> tuple[list[ScheduledRow], list[ScheduledRow]]:
+    def _schedule_decodes(self) -> list[ScheduledRow]:
         rows: list[ScheduledRow] = []
         index = 0
         while index < len(self.running):
@@ -291,7 +274,7 @@ class ContinuousScheduler:
                 continue  # seq itself was preempted (it was the newest): it left `running`
             rows.append(ScheduledRow(seq, seq.num_computed, 1))
             index += 1
-        return rows, []
+        return rows
 
     def _make_room(self, seq: Sequence, n_tokens: int) -> bool:
         """Blocks for ``n_tokens`` positions of a running ``seq``, preempting the newest while short.
@@ -365,20 +348,21 @@ class ContinuousScheduler:
     # -- update -------------------------------------------------------------------------------
 
     def update(self, step: ContinuousStep, logits: Tensor) -> None:
-        next_ids = logits.argmax(dim=-1).tolist()  # one device sync per step
+        """``logits``: one row per SAMPLING row of ``step``, in row order."""
+        next_ids = iter(logits.argmax(dim=-1).tolist())  # one device sync per step
         now = self.clock()
-        self.stats.steps += 1
-        for row, token in zip(step.rows, next_ids):
+        s = self.stats
+        s.steps += 1
+        s.tokens_computed += step.num_tokens
+        s.decode_tokens += len(step.decode_rows)
+        s.prefill_tokens += step.num_tokens - len(step.decode_rows)
+        for row in step.rows:
             seq = row.seq
             samples = row.samples  # before the token is appended
             seq.num_computed = row.start + row.length
-            self.stats.tokens_computed += row.length
-            if row.is_decode:
-                self.stats.decode_tokens += 1
-            else:
-                self.stats.prefill_tokens += row.length
             if not samples:
-                continue  # a partial prompt chunk: its logits mean nothing yet
+                continue  # a partial prompt chunk: no logits were computed for it
+            token = next(next_ids)
             seq.token_ids.append(token)
             self.stats.tokens_generated += 1
             if seq.first_token_at is None:

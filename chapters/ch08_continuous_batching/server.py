@@ -6,7 +6,11 @@ requests are in flight, else the request becomes a SEQUENCE handed to the ENGINE
 (:mod:`~chapters.ch08_continuous_batching.engine`), which turns chapter 3's step loop with a
 step-level scheduler (:mod:`~chapters.ch08_continuous_batching.scheduler`): at EVERY step, waiting
 sequences join (chunked prefill under a token budget), every running one gets a token, finished
-ones leave at once. Keys and values live in fixed-size blocks of chapter 4's pool, one block table
+ones leave at once. The step is ONE packed forward pass of chapter 5's engine (whatever its rule
+chose on this machine) over exactly the tokens it computes
+(:mod:`~chapters.ch08_continuous_batching.model_runner`), and attention reads the paged cache
+through the block tables (:mod:`~chapters.ch08_continuous_batching.paged_attention`, ``--attention``).
+Keys and values live in fixed-size blocks of chapter 4's pool, one block table
 per sequence (:mod:`~chapters.ch08_continuous_batching.paged_cache`), allocated as the policy says:
 ``--kv-policy grow`` (block by block; preempt the newest sequence by recompute when none is free) or
 ``reserve`` (the whole prompt + max_new_tokens at admission; never preempts).
@@ -49,13 +53,16 @@ from chapters.ch04_memory_pool.memory_pool import (
     pool_tokens_by_fraction,
     pool_tokens_by_rule,
 )
+from chapters.ch05_inference_engine.server import EngineOptions, engine_for
 from chapters.ch08_continuous_batching.engine import EngineLoop, Finished, RequestStream
+from chapters.ch08_continuous_batching.model_runner import ModelRunner, PackedModel, packed_model
 from chapters.ch08_continuous_batching.openai_api import CompletionsApi
+from chapters.ch08_continuous_batching.paged_attention import ATTENTION_CHOICES, choose_attention
 from chapters.ch08_continuous_batching.paged_cache import PagedKVStore
 from chapters.ch08_continuous_batching.scheduler import ContinuousScheduler, KVPolicy, SchedulerConfig, Sequence
 from chapters.ch08_continuous_batching.streaming import SSE_HEADERS, TextDelta, sse
 from shared.devices import choose_device, set_threads
-from shared.model import ModelConfig, StepModel
+from shared.model import ModelConfig
 from shared.schemas import (
     REQUEST_ID_HEADER,
     ApiError,
@@ -73,13 +80,15 @@ from shared.weights import load_model
 log = logging.getLogger("chapters.ch08_continuous_batching")
 
 
-class ContinuousSettings(ServerSettings):
-    """Chapter 2's knobs, the scheduler's budgets, the paged pool's size and policy, deadlines."""
+class ContinuousSettings(ServerSettings, EngineOptions):
+    """Chapter 2's knobs, chapter 5's engine, the scheduler's budgets, the paged pool's size and policy,
+    the attention backend, deadlines."""
 
     max_num_seqs: int = Field(64, ge=1, description="sequences running at once (rows of a decode step)")
     max_num_batched_tokens: int = Field(512, ge=1, description="tokens one step computes: decodes + prefill chunks")
     kv_policy: KVPolicy = Field("grow", description="grow: blocks as needed, preempt by recompute | reserve: prompt + max_new at admission")
     block_tokens: int = Field(DEFAULT_BLOCK_TOKENS, ge=1, description="token slots per KV block")
+    attention: ATTENTION_CHOICES = Field("auto", description="paged attention backend: auto (measured, paged_attention.py) | gather | flex")
     pool_tokens: int = Field(0, ge=0, description="KV pool size in token slots (0: context x max_num_seqs x headroom, chapter 4's rule)")
     pool_fraction: float = Field(0.0, ge=0.0, le=1.0, description="size the pool as this share of free memory; overrides the rule (0: off)")
     pool_headroom: float = Field(DEFAULT_HEADROOM, ge=1.0, description="the sizing rule's headroom factor")
@@ -198,6 +207,7 @@ class ContinuousBackend:
             "cancelled": self.cancelled,
             "failed_steps": self.engine.failed_steps,
             "scheduler": self.engine.scheduler.describe(),
+            "steps": self.engine.clock.describe(),
         }
 
     async def close(self) -> None:
@@ -272,27 +282,31 @@ def served_name(source: str) -> str:
     return Path(source.rsplit(":", 1)[-1]).stem or source
 
 
-def build_app(settings: ContinuousSettings, wrap_model: Callable[[StepModel], StepModel] | None = None) -> FastAPI:
+def build_app(settings: ContinuousSettings, wrap_model: Callable[[PackedModel], PackedModel] | None = None) -> FastAPI:
     """The server; ``wrap_model`` wraps what the engine calls (tests hold or fail steps with it)."""
     set_threads(settings.torch_threads)
     loaded = load_model(settings.weights, settings.preset, choose_device(settings.device), settings.torch_dtype)
-    model = loaded.model
-    capacity, rule = pool_capacity(settings, loaded.config, model.dtype, model.device)
-    pool = KVMemoryPool(loaded.config, capacity, block_tokens=settings.block_tokens, device=model.device, dtype=model.dtype)
+    step_engine = engine_for(settings, loaded)  # chapter 5: its rule's choice, or the one named
+    model = packed_model(step_engine)
+    capacity, rule = pool_capacity(settings, loaded.config, step_engine.dtype, step_engine.device)
+    pool = KVMemoryPool(loaded.config, capacity, block_tokens=settings.block_tokens, device=step_engine.device, dtype=step_engine.dtype)
     store = PagedKVStore(pool)
     log.info(
         "paged KV pool: %d blocks of %d tokens, %.1f MiB on %s (%s), policy %s",
         store.manager.total_blocks, store.block_tokens, pool.stats().bytes_total / 2**20, pool.device, rule, settings.kv_policy,
     )
-    scheduler = ContinuousScheduler(store, settings.scheduler_config(), loaded.tokenizer.pad_id)
-    engine = EngineLoop(wrap_model(model) if wrap_model else model, scheduler)
+    attention = choose_attention(settings.attention, store, model, settings.max_num_seqs)
+    scheduler = ContinuousScheduler(store, settings.scheduler_config())
+    runner = ModelRunner(wrap_model(model) if wrap_model else model, store, attention)
+    engine = EngineLoop(runner, scheduler)
     model_name = settings.served_model_name or served_name(loaded.source)
     backend = ContinuousBackend(
         engine,
         max_in_flight=settings.max_num_seqs + settings.max_queue,
         request_timeout_s=settings.request_timeout_s,
         disconnect_poll_s=settings.disconnect_poll_ms / 1e3,
-        description={"chapter": "ch08", "model": loaded.source, "kv_policy": settings.kv_policy, "pool_rule": rule},
+        description={"chapter": "ch08", "model": loaded.source, "kv_policy": settings.kv_policy, "pool_rule": rule,
+                     "engine": step_engine.describe(), "attention": attention.name},
     )
     limits = settings.limits(loaded.config.vocab_size, loaded.config.n_ctx)
     app = create_app(title="ch08 continuous batching", limits=limits, tokenizer=loaded.tokenizer, backend=backend)

@@ -1,0 +1,128 @@
+"""Input preparation in one place: the scheduler's plan becomes ONE packed model call.
+
+The scheduler emits plain data: a list of rows, each "``length`` tokens of this sequence from
+position ``start``" (decodes first, then prompt chunks). :class:`ModelRunner` turns that into the
+tensors of one forward pass, as nano-vllm's ``model_runner.py`` and vLLM v1's GPU model runner do:
+
+    sequence   A (decode)   B (decode)   C (prompt chunk, positions 0-3)   D (chunk, positions 16-18)
+    input_ids  [a9]         [b4]         [c0 c1 c2 c3]                      [d16 d17 d18]
+    positions  [ 9]         [ 4]         [ 0  1  2  3]                      [ 16  17  18]
+    query_start 0            1            2                                  6                 9
+    slots      where each new key and value goes in the pool (the slot mapping)
+    logits_indices [0, 1, 5, 8]: the last token of each sequence that samples a token this step
+                   (D's chunk is not its prompt's end: no logits for it)
+
+No padding anywhere: linear layers, LayerNorm and the MLP compute exactly N = 9 tokens, and only the
+sampled rows reach the output layer. Attention, the one place where sequences must not mix, gets
+the layout through :class:`~chapters.ch08_continuous_batching.paged_attention.PagedAttention`.
+
+The model is chapter 5's engine (what its rule chose on this machine), called through
+:meth:`shared.model.GPT.forward_packed`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Rows
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from chapters.ch05_inference_engine.engine import Engine, EngineUnavailable, TorchModuleEngine
+from chapters.ch08_continuous_batching.paged_attention import PackedInputs, PagedAttention
+from chapters.ch08_continuous_batching.paged_cache import PagedKVStore
+from shared.model import GPT, Attend
+
+
+class PlannedRow(Protocol):
+    """What the runner needs of a scheduled row (the scheduler's ``ScheduledRow`` is one)."""
+
+    @property
+    def seq_id(self) -> int: ...
+
+    @property
+    def new_ids(self) -> list[int]: ...  # this row's tokens, in order
+
+    @property
+    def start(self) -> int: ...  # position of the first of them
+
+    @property
+    def samples(self) -> bool: ...  # its last token's logits give the sequence's next token
+
+
+class PackedModel(Protocol):
+    """A model that computes a packed step: :meth:`shared.model.GPT.forward_packed`'s signature."""
+
+    def forward_packed(self, input_ids: Tensor, position_ids: Tensor, attend: Attend, logits_indices: Tensor) -> Tensor: ...
+
+
+def packed_model(engine: Engine) -> GPT:
+    """The module of chapter 5's ``engine`` that runs packed steps: eager or int8 or bf16-matmul GPT.
+
+    A packed step is a PyTorch forward; engines that replaced the forward with an exported graph
+    (ONNX Runtime, TensorRT) or a recorded one (CUDA graphs over static batch shapes) cannot run it.
+    """
+    if not isinstance(engine, TorchModuleEngine) or not isinstance(getattr(engine.module, "_orig_mod", engine.module), GPT):
+        raise EngineUnavailable(f"{engine.label}: chapter 8's packed step needs a PyTorch-module engine (eager, int8, bf16)")
+    return getattr(engine.module, "_orig_mod", engine.module)
+
+
+def pack_rows(rows: Rows[PlannedRow]) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The flattened layout of ``rows``: ``(input_ids, positions, query_start, logits_indices)``.
+
+    ``query_start`` has one more entry than ``rows``: row ``i`` owns tokens
+    ``query_start[i] .. query_start[i + 1] - 1``. ``logits_indices`` lists, in row order, the
+    flattened index of the last token of each row that samples.
+    """
+    # EXERCISE ch08.4 BEGIN "packed inputs: flatten the rows into ids, positions, cumulative lengths, logits indices"
+    input_ids: list[int] = []
+    positions: list[int] = []
+    query_start = [0]
+    logits_indices: list[int] = []
+    for row in rows:
+        input_ids += row.new_ids
+        positions += range(row.start, row.start + len(row.new_ids))
+        query_start.append(len(input_ids))
+        if row.samples:
+            logits_indices.append(len(input_ids) - 1)
+    return input_ids, positions, query_start, logits_indices
+    # EXERCISE ch08.4 END
+
+
+class ModelRunner:
+    """Prepares and runs one packed step; keeps how long each half took (``last_prepare_s``, ``last_model_s``)."""
+
+    def __init__(self, model: PackedModel, store: PagedKVStore, attention: PagedAttention) -> None:
+        self.model, self.store, self.attention = model, store, attention
+        self.device = store.device
+        self.last_prepare_s = 0.0
+        self.last_model_s = 0.0
+
+    def prepare(self, rows: Rows[PlannedRow], num_decodes: int) -> PackedInputs:
+        """The step's tensors; every row's block table must already cover what it writes."""
+        input_ids, positions, query_start, logits_indices = pack_rows(rows)
+        slots: list[int] = []
+        for row in rows:
+            slots += self.store.slots(row.seq_id, row.start, row.start + len(row.new_ids))
+        to_device = lambda values: torch.tensor(values, dtype=torch.long).to(self.device)  # noqa: E731
+        return PackedInputs(
+            input_ids=to_device(input_ids),
+            positions=to_device(positions),
+            query_start=query_start,
+            context_lens=[row.start + len(row.new_ids) for row in rows],
+            block_tables=[self.store.manager.tables[row.seq_id] for row in rows],
+            slot_mapping=to_device(slots),
+            logits_indices=to_device(logits_indices),
+            num_decodes=num_decodes,
+        )
+
+    def execute(self, rows: Rows[PlannedRow], num_decodes: int) -> Tensor:
+        """float32 logits (R, V) of the rows that sample, in row order (an empty (0, V) when none does)."""
+        started = time.perf_counter()
+        inputs = self.prepare(rows, num_decodes)
+        attend = self.attention.bind(inputs)
+        prepared = time.perf_counter()
+        logits = self.model.forward_packed(inputs.input_ids, inputs.positions, attend, inputs.logits_indices)
+        self.last_prepare_s, self.last_model_s = prepared - started, time.perf_counter() - prepared
+        return logits
