@@ -949,3 +949,61 @@ def plot_streaming_throughput(comparisons: Mapping[str, Mapping]):
         ax.legend(fontsize=8)
     qps_ax.figure.tight_layout()
     return qps_ax.figure
+
+
+# --------------------------------------------------------------------------------------------
+# Chapter 8: where a step's time goes, per load level (the step records /stats keeps)
+# --------------------------------------------------------------------------------------------
+
+STEP_PHASES = ("schedule", "prepare", "model", "update")
+
+
+STEP_CLIMB_DIR = Path("ch08") / "climb"  # the whole climb measured after the packed step, beside the reference's
+
+
+def load_step_records(directory: Path, chapter: str = "ch08") -> dict[int, list[dict]]:
+    """``{users: [step record, ...]}`` from ``directory/<chapter>.json`` (else ``directory/ch08/climb/``):
+    the last steps chapter 8's engine kept at the end of each level (``server_series.steps``)."""
+    result = load_results(Path(directory)).get(chapter)
+    if not (result and any(level.server_series and level.server_series.steps for level in result.levels)):
+        climb = Path(directory) / STEP_CLIMB_DIR
+        result = load_results(climb).get(chapter) if climb.exists() else result
+    found = {level.users: level.server_series.steps for level in (result.levels if result else [])
+             if level.server_series is not None and level.server_series.steps}
+    if not found:
+        raise MissingData(f"No step records for {chapter} in {directory}: the harness keeps them since the packed step "
+                          f"(`python -m benchmarks run --chapter {chapter} --profile cpu --out {_relative(Path(directory))}`).")
+    return dict(sorted(found.items()))
+
+
+def plot_step_split(records: Mapping[int, list[dict]]):
+    """Left: the median step's milliseconds per phase at each load (stacked). Right: the steps of the
+    highest load, one bar each: decode rows and prompt-chunk tokens computed."""
+    split_ax, steps_ax = Figure(figsize=(13, 4.4)).subplots(1, 2)
+    levels = list(records)
+    bottom = np.zeros(len(levels))
+    for i, phase in enumerate(STEP_PHASES):
+        values = np.array([float(np.median([r[f"{phase}_ms"] for r in records[u]])) for u in levels])
+        split_ax.bar([str(u) for u in levels], values, bottom=bottom, color=f"C{i}", label=phase)
+        bottom += values
+    for x, (users, total) in enumerate(zip(levels, bottom, strict=True)):
+        model = float(np.median([r["model_ms"] for r in records[users]]))
+        split_ax.annotate(f"{total:.1f} ms\n(model {model / total:.0%})", (x, total), ha="center", va="bottom", fontsize=8)
+    split_ax.set_xlabel("closed-loop users")
+    split_ax.set_ylabel("median step, per phase (ms)")
+    split_ax.set_title("Where a step's time goes")
+    split_ax.legend(fontsize=8)
+    split_ax.grid(True, axis="y", alpha=0.3)
+    top = records[levels[-1]]
+    index = np.arange(len(top))
+    decodes = np.array([r["decode_rows"] for r in top])
+    prefill = np.array([r["prefill_tokens"] for r in top])
+    steps_ax.bar(index, decodes, width=1.0, color="C0", label="decode rows (one token each)")
+    steps_ax.bar(index, prefill, width=1.0, bottom=decodes, color="C1", label="prompt-chunk tokens")
+    steps_ax.set_xlabel(f"the last {len(top)} steps at {levels[-1]} users")
+    steps_ax.set_ylabel("tokens computed in the step")
+    steps_ax.set_title("What each step computed (one packed forward each)")
+    steps_ax.legend(fontsize=8)
+    steps_ax.grid(True, axis="y", alpha=0.3)
+    split_ax.figure.tight_layout()
+    return split_ax.figure

@@ -259,8 +259,9 @@ def packed_step_profile_block(directory: Path) -> str:
                      f"| {step.group(1)} | {step.group(2)} % | {overhead.group(1)} |")
     return "\n".join(lines) + (
         "\n\nReproduce: `python -m benchmarks.profile_ch08 --attention A --precision P --workload W` (each file's first "
-        "lines; the rest is cProfile's report of the same steps, sorted by internal time). The file named `before` comes "
-        "from the same command at the commit before the packed step, whose step ran under cProfile only.")
+        "lines; the rest is cProfile's report of the same steps, sorted by internal time). The `before` file's first line "
+        "names its command: the profiler of the commit before the packed step, whose figure is taken under cProfile "
+        "(so it ran somewhat faster than it reads).")
 
 
 def side_by_side_block(directory: Path) -> str:

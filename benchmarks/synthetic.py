@@ -115,6 +115,7 @@ SYNTHETIC_CHAPTERS: dict[str, tuple[float, float, bool, bool]] = {
     "ch04": (55.0, 57.0, True, True),
     "ch05": (70.0, 55.0, True, True),
     "ch06": (80.0, 52.0, True, True),
+    "ch08": (85.0, 50.0, True, False),  # batches: its step records stand in for a batcher's figures
 }
 SYNTHETIC_LEVELS = (1, 8, 32, 64)
 SYNTHETIC_RATES = (2.0, 5.0, 10.0, 20.0, 40.0, 60.0, 80.0, 100.0)
@@ -183,8 +184,25 @@ def _resource_series(window_s: float, rss_mb: float) -> list[ResourcePoint]:
                           server_rss_mb=rss_mb + t * 0.1) for t in range(int(window_s * 2) + 3)]
 
 
+def _step_records(users: float, rng: random.Random, count: int = 64) -> list[dict[str, float]]:
+    """Chapter 8's step records: every running sequence decodes, a few steps also prefill a prompt."""
+    rows = min(64, int(users))
+    records = []
+    for _ in range(count):
+        prefill = rng.choice((0, 0, 0, 16, 64, 128)) if users > 1 else rng.choice((0, 32))
+        model = 2.0 + 0.25 * rows + 0.05 * prefill
+        records.append({"tokens": rows + prefill, "decode_rows": rows, "prefill_tokens": prefill, "running": rows,
+                        "schedule_ms": 0.05 + 0.004 * rows, "prepare_ms": 0.2 + 0.01 * rows, "model_ms": model,
+                        "update_ms": 0.05 + 0.004 * rows})
+    return records
+
+
 def _server_series(chapter: str, users: float, window_s: float, rng: random.Random) -> ServerSeries | None:
     _, _, batches, pool = SYNTHETIC_CHAPTERS[chapter]
+    if chapter == "ch08":
+        points = [{"t_s": t * 0.5, "scheduler.steps": float(t * 20), "scheduler.running": min(64.0, users)}
+                  for t in range(int(window_s * 2) + 2)]
+        return ServerSeries(source="stats", interval_s=0.5, points=points, steps=_step_records(users, rng))
     if not batches:
         return None
     sizes = _batch_sizes(users, rng)

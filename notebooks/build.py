@@ -237,6 +237,12 @@ NOTEBOOKS = {
              "= (E2E - TTFT) / (tokens - 1); E2E to the last byte.",
              "show(lambda: plots.plot_streaming_latencies(plots.load_streaming(RESULTS_DIR)))"),
             ("## Throughput at equal load", "show(lambda: plots.plot_streaming_throughput(plots.load_streaming(RESULTS_DIR)))"),
+            ("## Where a step's time goes\n\nThe engine thread times each phase of every step (`/stats` keeps the last "
+             "256; the harness records them at the end of each load level): `schedule` (the scheduler's plan), `prepare` "
+             "(the model runner packing ids, positions, the slot mapping and the attention metadata), `model` (ONE packed "
+             "forward) and `update` (tokens appended, finished sequences retired). Right: what each step of the highest "
+             "load computed, decode rows and prompt-chunk tokens in the same forward pass.",
+             "show(lambda: plots.plot_step_split(plots.load_step_records(RESULTS_DIR)))"),
         ],
         "- TTFT is where streaming shows: chapter 8's first token comes after one prefill step, chapter 6's "
         "(which does not stream) only with the whole answer, so its TTFT is its E2E.\n"
@@ -245,7 +251,9 @@ NOTEBOOKS = {
         "- On `default` every answer has the same length, so holding the batch costs little: the two chapters "
         "are closer, and what remains is the per-step scheduling overhead of chapter 8.\n"
         "- QPS at the same users: when chapter 8 finishes short requests sooner, its clients send their next one "
-        "sooner, and its requests/s rises; tokens/s tells whether the engine itself did more work.",
+        "sooner, and its requests/s rises; tokens/s tells whether the engine itself did more work.\n"
+        "- In the step split, `model` should be nearly all of a step: what the scheduler and the runner add around "
+        "the forward pass is the overhead a Python server pays per step, the same at 8 users as at 64.",
         parameters=OWN_FILES_PARAMETERS, intro_tail=OWN_FILES_TAIL,
     ),
     "climb": notebook(
