@@ -4,18 +4,28 @@ over the ASGI transport, and waiting for a state (never for time)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 
 import httpx
 
 
-async def until(condition: Callable[[], bool], max_turns: int = 200_000) -> None:
-    """Yield to the event loop until ``condition`` holds (a state change, not a timer)."""
-    for _ in range(max_turns):
-        if condition():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("the server never reached the expected state")
+async def until(condition: Callable[[], bool], limit_s: float = 60.0, spin_turns: int = 1_000) -> None:
+    """Yield to the event loop until ``condition`` holds (a state change, not a timer); fail after ``limit_s``.
+
+    The first ``spin_turns`` checks only yield to the loop (states the loop itself reaches). After that
+    each check also lets go of the interpreter for a millisecond: the state may be another thread's to
+    reach (an inference thread between two steps), and a loop spinning on ``sleep(0)`` would hold the
+    GIL that thread needs. The bound is a deadline, not a count of turns, so a slow or busy machine
+    does not turn a wait into a failure.
+    """
+    deadline = time.monotonic() + limit_s
+    turns = 0
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the server never reached the expected state (waited {limit_s:g} s)")
+        turns += 1
+        await asyncio.sleep(0 if turns < spin_turns else 0.001)
 
 
 async def serving(app, scenario: Callable[[httpx.AsyncClient], Awaitable[None]], base_url: str = "http://test") -> None:
