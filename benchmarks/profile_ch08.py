@@ -57,7 +57,7 @@ def profile(steps: int, attention: str, precision: str, workload: str) -> str:
         finished = 0
         for _ in range(n_steps):
             before = scheduler.stats.finished
-            engine._step()
+            engine.step()
             done = scheduler.stats.finished - before
             finished += done
             for _ in range(done):

@@ -191,14 +191,14 @@ class EngineLoop:
                     self._listener.end(seq, error)
             self._abort_expired()
             try:
-                self._step()
+                self.step()
             except Exception as exc:  # noqa: BLE001 - one failed step must not stop the server
                 log.exception("a step failed; failing the sequences it computed")
                 self.failed_steps += 1
                 self._fail_running(exc)
             self._flush()
 
-    def _step(self) -> None:
+    def step(self) -> None:
         """Chapter 3's :func:`~chapters.ch03_dynamic_batching.step_loop.run_step`, each phase timed."""
         started = time.perf_counter()
         step = self.scheduler.schedule()
