@@ -25,7 +25,7 @@ from chapters.ch05_inference_engine.engine import build_eager
 from chapters.ch08_continuous_batching.engine import EngineLoop
 from chapters.ch08_continuous_batching.model_runner import ModelRunner, packed_model
 from chapters.ch08_continuous_batching.paged_attention import choose_attention
-from chapters.ch08_continuous_batching.paged_cache import PagedKVStore
+from chapters.ch08_continuous_batching.paged_cache import PagedKVStore, kv_cache_dtype
 from chapters.ch08_continuous_batching.scheduler import ContinuousScheduler, Sequence
 from chapters.ch08_continuous_batching.server import ContinuousSettings
 from shared.weights import load_model
@@ -34,14 +34,15 @@ WARM_UP_STEPS = 100
 NEW_TOKENS = {"default": (32,), "mixed": (8, 16, 32, 64, 128, 256)}
 
 
-def profile(steps: int, attention: str, precision: str, workload: str) -> str:
+def profile(steps: int, attention: str, precision: str, workload: str, kv_cache: str = "auto") -> str:
     """The step split and the cProfile report of ``steps`` engine steps, after a warm-up."""
     torch.set_num_threads(1)
     loaded = load_model("default")
     settings = ContinuousSettings()
     step_engine = build_eager(loaded.model, precision)
     model = packed_model(step_engine)
-    pool = KVMemoryPool(loaded.config, 512 * 64 * 2, block_tokens=settings.block_tokens, dtype=step_engine.dtype)
+    kv_dtype = kv_cache_dtype(kv_cache, step_engine.precision, step_engine.dtype)
+    pool = KVMemoryPool(loaded.config, 512 * 64 * 2, block_tokens=settings.block_tokens, dtype=kv_dtype)
     store = PagedKVStore(pool)
     backend = choose_attention(attention, store, model, settings.max_num_seqs)
     scheduler = ContinuousScheduler(store, settings.scheduler_config())
@@ -76,7 +77,7 @@ def profile(steps: int, attention: str, precision: str, workload: str) -> str:
     step_ms = sum(phases.values())
     split = ", ".join(f"{phase} {ms:.2f} ms ({ms / step_ms:.0%})" for phase, ms in phases.items())
     head = (
-        f"attention {backend.name}, engine {step_engine.label}, workload {workload}, {settings.max_num_seqs} sequences\n"
+        f"attention {backend.name}, engine {step_engine.label}, KV cache {str(kv_dtype).removeprefix('torch.')}, workload {workload}, {settings.max_num_seqs} sequences\n"
         f"{finished} requests in {elapsed:.2f} s = {finished / elapsed:.1f} req/s "
         f"({sum(r.tokens for r in records) / elapsed:.0f} tokens computed/s) without a profiler\n"
         f"median step {step_ms:.2f} ms: {split}; running {statistics.median(r.running for r in records):.0f}, "
@@ -98,8 +99,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--attention", default="auto", choices=("auto", "gather", "flex"))
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "int8"))
     parser.add_argument("--workload", default="default", choices=sorted(NEW_TOKENS))
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp32", "bf16"))
     args = parser.parse_args(argv)
-    print(profile(args.steps, args.attention, args.precision, args.workload))
+    print(profile(args.steps, args.attention, args.precision, args.workload, args.kv_cache_dtype))
 
 
 if __name__ == "__main__":

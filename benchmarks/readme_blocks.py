@@ -243,22 +243,24 @@ def packed_step_profile_block(directory: Path) -> str:
     files = sorted((directory / "ch08").glob("profile-*.txt")) if (directory / "ch08").exists() else []
     if not files:
         return f"*No profile yet: `python -m benchmarks.profile_ch08 > {_repo_path(directory)}/ch08/profile-LABEL.txt`.*"
-    lines = ["| file | attention | engine | workload | requests/s | median step (ms) | model share | schedule + prepare + update |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| file | attention | engine | KV cache | workload | requests/s | median step (ms) | model share | schedule + prepare + update |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for path in files:
         text = path.read_text()
         rate = re.search(r"= ([\d.]+) req/s(.*)", text)
-        head = re.search(r"attention (\S+), engine (\S+), workload (\S+),", text)
+        head = re.search(r"attention (\S+), engine (\S+), (?:KV cache (\S+), )?workload (\S+),", text)
         step = re.search(r"median step ([\d.]+) ms: .*model [\d.]+ ms \((\d+)%\)", text)
         overhead = re.search(r"schedule \+ prepare \+ update = ([\d.]+%)", text)
         if head is None:  # the profile of the commit before the packed step: cProfile's figure only
-            lines.append(f"| `{path.name}` | (before: two or more padded calls a step) | eager/fp32 | default "
+            lines.append(f"| `{path.name}` | (before: two or more padded calls a step) | eager/fp32 | float32 | default "
                          f"| {rate.group(1)}{' (under cProfile)' if 'cProfile' in rate.group(2) else ''} | — | — | — |")
             continue
-        lines.append(f"| `{path.name}` | {head.group(1)} | {head.group(2)} | {head.group(3)} | {rate.group(1)} "
+        # profiles from before the KV cache had its own dtype kept it in the engine's activation dtype, fp32
+        kv_cache = head.group(3) or "float32"
+        lines.append(f"| `{path.name}` | {head.group(1)} | {head.group(2)} | {kv_cache} | {head.group(4)} | {rate.group(1)} "
                      f"| {step.group(1)} | {step.group(2)} % | {overhead.group(1)} |")
     return "\n".join(lines) + (
-        "\n\nReproduce: `python -m benchmarks.profile_ch08 --attention A --precision P --workload W` (each file's first "
+        "\n\nReproduce: `python -m benchmarks.profile_ch08 --attention A --precision P --kv-cache-dtype K --workload W` (each file's first "
         "lines; the rest is cProfile's report of the same steps, sorted by internal time). The `before` file's first line "
         "names its command: the profiler of the commit before the packed step, whose figure is taken under cProfile "
         "(so it ran somewhat faster than it reads).")

@@ -16,11 +16,15 @@ from torch import Tensor
 
 from chapters.ch03_dynamic_batching.step_loop import run_step, run_until_done
 from chapters.ch04_memory_pool.memory_pool import KVMemoryPool
-from chapters.ch08_continuous_batching.model_runner import ModelRunner
+from chapters.ch05_inference_engine.engine import build_eager
+from chapters.ch05_inference_engine.engines import ACCURACY_TOLERANCE, PROBE_PAIRS
+from chapters.ch08_continuous_batching.model_runner import ModelRunner, packed_model
 from chapters.ch08_continuous_batching.paged_attention import build_attention
-from chapters.ch08_continuous_batching.paged_cache import PagedKVStore
+from chapters.ch08_continuous_batching.paged_cache import PagedKVStore, kv_cache_dtype
 from chapters.ch08_continuous_batching.scheduler import ContinuousScheduler, SchedulerConfig, Sequence, Status
+from shared.corpus import HELD_OUT_PAIRS, evaluate, reversed_sum
 from shared.model import ModelConfig
+from shared.tokenizer import ByteTokenizer
 
 FAKE_CONFIG = ModelConfig(vocab_size=101, n_ctx=64, n_embd=2, n_layer=1, n_head=1)
 PAD = 100
@@ -246,3 +250,40 @@ def test_flex_attention_gives_the_oracles_tokens_under_chunked_prefill_and_preem
     scheduler, runner = real_setup(default_model, "grow", 528, max_num_seqs=8, budget=64, attention=attention)
     check_against_oracle(default_model, oracle, (scheduler, runner), mixed_requests(12, seed=8, max_new=32))
     assert scheduler.stats.preemptions > 0
+
+
+def addition_accuracy(model, store: PagedKVStore, attention: str, pairs: list[tuple[int, int]]) -> float:
+    """Exact-match accuracy of the held-out additions (:func:`shared.corpus.evaluate`'s task) served by
+    chapter 8's step loop: four greedy tokens per prompt, every decode reading the paged cache."""
+    scheduler = ContinuousScheduler(store, SchedulerConfig(64, 512, "grow"))
+    runner = ModelRunner(model, store, build_attention(attention, store))
+    tokenizer = ByteTokenizer()
+    seqs = [Sequence(tokenizer.encode(f"{a}+{b}="), 4) for a, b in pairs]
+    for seq in seqs:
+        scheduler.add(seq)
+    run_until_done(scheduler, runner)
+    assert scheduler.manager.free_blocks == scheduler.manager.total_blocks
+    answers = [tokenizer.decode(seq.output_ids).split("\n", 1)[0] for seq in seqs]
+    return sum(answer == reversed_sum(a, b) for answer, (a, b) in zip(answers, pairs)) / len(pairs)
+
+
+@pytest.mark.parametrize("attention", ["gather", "flex"])
+def test_a_bf16_kv_cache_under_the_bf16_engine_keeps_the_task_accuracy_within_chapter_5s_tolerance(default_model, attention: str) -> None:
+    # the oracle is the fp32 model's own score on the task (shared.corpus.evaluate), not chapter 8's
+    pairs = HELD_OUT_PAIRS[:PROBE_PAIRS]
+    reference = evaluate(default_model.model, pairs).accuracy
+    engine = build_eager(default_model.model, "bf16")
+    kv_dtype = kv_cache_dtype("auto", engine.precision, engine.dtype)
+    assert kv_dtype == torch.bfloat16
+    store = PagedKVStore(KVMemoryPool(default_model.config, 4096, block_tokens=16, dtype=kv_dtype))
+    served = addition_accuracy(packed_model(engine), store, attention, pairs)
+    assert served >= reference - ACCURACY_TOLERANCE, f"bf16 engine + bf16 cache {served:.3f} against fp32 {reference:.3f}"
+
+
+def test_the_kv_cache_dtype_rule_follows_the_engine() -> None:
+    assert kv_cache_dtype("auto", "bf16", torch.float32) == torch.bfloat16  # the CPU's bf16 engine: fp32 activations
+    assert kv_cache_dtype("auto", "fp32", torch.float32) == torch.float32  # exact engines keep an exact cache
+    assert kv_cache_dtype("auto", "fp16", torch.float16) == torch.float16
+    assert kv_cache_dtype("fp32", "bf16", torch.float32) == torch.float32
+    with pytest.raises(ValueError, match="fp8"):
+        kv_cache_dtype("fp8", "fp32", torch.float32)

@@ -136,8 +136,8 @@ class GatherAttention(PagedAttention):
         if plan.decodes:
             keys, values = (self.blocks(layer, kv).index_select(0, plan.decode_blocks)
                             .view(plan.decodes, plan.decode_width, heads, head_dim).transpose(1, 2) for kv in (0, 1))
-            queries = q[0, :, : plan.decodes].transpose(0, 1)[:, :, None]  # (S, H, 1, D)
-            y = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=plan.decode_mask)
+            queries = q[0, :, : plan.decodes].transpose(0, 1)[:, :, None].to(keys.dtype)  # (S, H, 1, D), the cache's dtype
+            y = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.decode_mask)
             out[0, :, : plan.decodes] = y[:, :, 0].transpose(0, 1)
         for start, end, past, blocks in plan.prompt_chunks:
             queries = q[:, :, start:end]
@@ -232,9 +232,9 @@ class FlexAttention(GatherAttention):
             out = torch.empty_like(q)
             if decodes < q.shape[2]:
                 out[:, :, decodes:] = chunks(layer, q[:, :, decodes:], k[:, :, decodes:], v[:, :, decodes:])
-            queries = q.new_zeros(bucket.rows, self.heads, 1, self.head_dim)
-            queries[:decodes, :, 0] = q[0, :, :decodes].transpose(0, 1)
             keys, values = (self.store.plane(layer, kv).view(-1, self.heads, self.head_dim).permute(1, 0, 2)[None] for kv in (0, 1))
+            queries = keys.new_zeros(bucket.rows, self.heads, 1, self.head_dim)  # in the cache's dtype
+            queries[:decodes, :, 0] = q[0, :, :decodes].transpose(0, 1)
             y = self._flex(queries, keys, values, block_mask=bucket.block_mask, kernel_options=self.KERNEL_OPTIONS)
             out[0, :, :decodes] = y[:decodes, :, 0].transpose(0, 1)
             return out

@@ -16,12 +16,40 @@ reads them back through the block tables (:mod:`~chapters.ch08_continuous_batchi
 from __future__ import annotations
 
 from collections.abc import Hashable
+from typing import Literal
 
 import torch
 from torch import Tensor
 
 from chapters.ch04_memory_pool.memory_pool import BlockRange, KVMemoryPool
 from chapters.ch08_continuous_batching.block_manager import BlockManager
+
+
+KV_CACHE_DTYPES = Literal["auto", "fp32", "bf16"]
+KV_CACHE_RULE = (
+    "auto: bf16 when the engine multiplies in bf16 (its products already round keys and values to bf16 "
+    "precision), else the engine's activation dtype"
+)
+
+
+def kv_cache_dtype(name: str, precision: str, activation_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the pool's keys and values for an engine of ``precision`` computing in ``activation_dtype``.
+
+    A decode step reads every cached key and value of every running sequence once per layer and
+    does little arithmetic with each: attention is bound by the bytes it reads, so a 2-byte cache
+    halves its time. Chapter 5's bf16 engine on a CPU keeps activations in fp32
+    (:mod:`~chapters.ch05_inference_engine.bf16_matmul`), but the keys and values come out of bf16
+    products, so storing them in bf16 (as vLLM's CPU backend does under a bf16 model) loses little
+    more; its accuracy is measured in the tests against fp32's. fp32 engines keep an fp32 cache and
+    stay token-exact. See :data:`KV_CACHE_RULE`.
+    """
+    if name == "fp32":
+        return torch.float32
+    if name == "bf16":
+        return torch.bfloat16
+    if name != "auto":
+        raise ValueError(f"unknown KV cache dtype {name!r}; choose auto, fp32 or bf16")
+    return torch.bfloat16 if precision == "bf16" else activation_dtype
 
 
 class PagedKVStore:

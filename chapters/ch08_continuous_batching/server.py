@@ -58,7 +58,7 @@ from chapters.ch08_continuous_batching.engine import EngineLoop, Finished, Reque
 from chapters.ch08_continuous_batching.model_runner import ModelRunner, PackedModel, packed_model
 from chapters.ch08_continuous_batching.openai_api import CompletionsApi
 from chapters.ch08_continuous_batching.paged_attention import ATTENTION_CHOICES, choose_attention
-from chapters.ch08_continuous_batching.paged_cache import PagedKVStore
+from chapters.ch08_continuous_batching.paged_cache import KV_CACHE_DTYPES, KV_CACHE_RULE, PagedKVStore, kv_cache_dtype
 from chapters.ch08_continuous_batching.scheduler import ContinuousScheduler, KVPolicy, SchedulerConfig, Sequence
 from chapters.ch08_continuous_batching.streaming import SSE_HEADERS, TextDelta, sse
 from shared.devices import choose_device, set_threads
@@ -89,6 +89,7 @@ class ContinuousSettings(ServerSettings, EngineOptions):
     kv_policy: KVPolicy = Field("grow", description="grow: blocks as needed, preempt by recompute | reserve: prompt + max_new at admission")
     block_tokens: int = Field(DEFAULT_BLOCK_TOKENS, ge=1, description="token slots per KV block")
     attention: ATTENTION_CHOICES = Field("auto", description="paged attention backend: auto (measured, paged_attention.py) | gather | flex")
+    kv_cache_dtype: KV_CACHE_DTYPES = Field("auto", description=f"dtype of the paged pool's keys and values: {KV_CACHE_RULE} | fp32 | bf16")
     pool_tokens: int = Field(0, ge=0, description="KV pool size in token slots (0: context x max_num_seqs x headroom, chapter 4's rule)")
     pool_fraction: float = Field(0.0, ge=0.0, le=1.0, description="size the pool as this share of free memory; overrides the rule (0: off)")
     pool_headroom: float = Field(DEFAULT_HEADROOM, ge=1.0, description="the sizing rule's headroom factor")
@@ -282,18 +283,24 @@ def served_name(source: str) -> str:
     return Path(source.rsplit(":", 1)[-1]).stem or source
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def build_app(settings: ContinuousSettings, wrap_model: Callable[[PackedModel], PackedModel] | None = None) -> FastAPI:
     """The server; ``wrap_model`` wraps what the engine calls (tests hold or fail steps with it)."""
     set_threads(settings.torch_threads)
     loaded = load_model(settings.weights, settings.preset, choose_device(settings.device), settings.torch_dtype)
     step_engine = engine_for(settings, loaded)  # chapter 5: its rule's choice, or the one named
     model = packed_model(step_engine)
-    capacity, rule = pool_capacity(settings, loaded.config, step_engine.dtype, step_engine.device)
-    pool = KVMemoryPool(loaded.config, capacity, block_tokens=settings.block_tokens, device=step_engine.device, dtype=step_engine.dtype)
+    kv_dtype = kv_cache_dtype(settings.kv_cache_dtype, step_engine.precision, step_engine.dtype)
+    capacity, rule = pool_capacity(settings, loaded.config, kv_dtype, step_engine.device)
+    pool = KVMemoryPool(loaded.config, capacity, block_tokens=settings.block_tokens, device=step_engine.device, dtype=kv_dtype)
     store = PagedKVStore(pool)
     log.info(
-        "paged KV pool: %d blocks of %d tokens, %.1f MiB on %s (%s), policy %s",
-        store.manager.total_blocks, store.block_tokens, pool.stats().bytes_total / 2**20, pool.device, rule, settings.kv_policy,
+        "paged KV pool: %d blocks of %d tokens in %s, %.1f MiB on %s (%s), policy %s",
+        store.manager.total_blocks, store.block_tokens, _dtype_name(kv_dtype), pool.stats().bytes_total / 2**20, pool.device,
+        rule, settings.kv_policy,
     )
     attention = choose_attention(settings.attention, store, model, settings.max_num_seqs)
     scheduler = ContinuousScheduler(store, settings.scheduler_config())
@@ -306,7 +313,7 @@ def build_app(settings: ContinuousSettings, wrap_model: Callable[[PackedModel], 
         request_timeout_s=settings.request_timeout_s,
         disconnect_poll_s=settings.disconnect_poll_ms / 1e3,
         description={"chapter": "ch08", "model": loaded.source, "kv_policy": settings.kv_policy, "pool_rule": rule,
-                     "engine": step_engine.describe(), "attention": attention.name},
+                     "engine": step_engine.describe(), "attention": attention.name, "kv_cache_dtype": _dtype_name(kv_dtype)},
     )
     limits = settings.limits(loaded.config.vocab_size, loaded.config.n_ctx)
     app = create_app(title="ch08 continuous batching", limits=limits, tokenizer=loaded.tokenizer, backend=backend)
