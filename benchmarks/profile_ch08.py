@@ -3,7 +3,7 @@
 64 sequences in a closed loop (a finished one is replaced at once), prompts of the default workload
 (16/32/64/128 tokens, 32 new tokens; ``--workload mixed``: 8-256 new tokens), the default model on
 one thread, no HTTP: chapter 8's engine step (schedule, one packed forward through the runner,
-update) exactly as the server's engine thread turns it, with the step clock's split of each phase,
+update) exactly as the server's step thread turns it, with the step clock's split of each phase,
 then cProfile over the same number of steps, sorted by internal time. Its output is committed
 beside the chapter's figures (``benchmarks/reference/cpu/ch08/``).
 """
@@ -22,7 +22,7 @@ import torch
 
 from chapters.ch04_memory_pool.memory_pool import KVMemoryPool
 from chapters.ch05_inference_engine.engine import build_eager
-from chapters.ch08_continuous_batching.engine import EngineLoop
+from chapters.ch08_continuous_batching.step_thread import StepThread
 from chapters.ch08_continuous_batching.model_runner import ModelRunner, packed_model
 from chapters.ch08_continuous_batching.paged_attention import choose_attention
 from chapters.ch08_continuous_batching.paged_cache import PagedKVStore, kv_cache_dtype
@@ -46,7 +46,7 @@ def profile(steps: int, attention: str, precision: str, workload: str, kv_cache:
     store = PagedKVStore(pool)
     backend = choose_attention(attention, store, model, settings.max_num_seqs)
     scheduler = ContinuousScheduler(store, settings.scheduler_config())
-    engine = EngineLoop(ModelRunner(model, store, backend), scheduler)
+    engine = StepThread(ModelRunner(model, store, backend), scheduler)
     rng = random.Random(0)
 
     def new_sequence() -> Sequence:

@@ -4,6 +4,7 @@ over the ASGI transport, and waiting for a state (never for time)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Awaitable, Callable
 
@@ -33,3 +34,15 @@ async def serving(app, scenario: Callable[[httpx.AsyncClient], Awaitable[None]],
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=base_url, timeout=60) as client:
             await scenario(client)
+
+
+async def serving_gated(app, gate: threading.Event, scenario: Callable[[httpx.AsyncClient], Awaitable[None]]) -> None:
+    """:func:`serving`, with ``gate`` opened however the scenario ends: a failed assertion must not leave
+    a model step waiting on the gate, since the app's shutdown waits for that step."""
+    async def guarded(client: httpx.AsyncClient) -> None:
+        try:
+            await scenario(client)
+        finally:
+            gate.set()
+
+    await serving(app, guarded)

@@ -15,7 +15,7 @@ import weakref
 
 import httpx
 import pytest
-from asgi_helpers import serving, until
+from asgi_helpers import serving, serving_gated, until
 from prometheus_client.parser import text_string_to_metric_families
 from pythonjsonlogger.json import JsonFormatter
 
@@ -56,12 +56,16 @@ def settings(**overrides) -> ProductionSettings:
     return ProductionSettings(**{**base, **overrides})
 
 
+async def no_probe() -> None:
+    """The readiness probe is a real request through the batcher: a gated test keeps its batches to itself."""
+
+
 def gated_app(gate: threading.Event, **overrides):
     def factory(config, loaded):
         backend = build_backend(config, loaded)
         backend.runner.model = GatedModel(backend.runner.model, gate)
         return backend
-    return build_app(settings(**overrides), backend_factory=factory)
+    return build_app(settings(**overrides), backend_factory=factory, probe=no_probe)
 
 
 run = serving
@@ -99,7 +103,7 @@ def test_a_request_past_its_deadline_gets_504_and_its_batch_mates_and_the_pool_a
         assert pool_blocks_used((await client.get("/stats")).json()) == 0
         assert (await infer(client)).json()["output_ids"] == oracle(PROMPT, 3)
 
-    asyncio.run(run(app, scenario))
+    asyncio.run(serving_gated(app, gate, scenario))
 
 
 @pytest.mark.parametrize("value", ["abc", "-1", "0", "nan", "inf"])
@@ -117,11 +121,13 @@ def test_a_bad_timeout_header_is_a_422(value: str) -> None:
 def test_readiness_follows_a_real_probe_and_liveness_does_not() -> None:
     verdict = {"fail": None}
 
-    def probe() -> None:
+    hung = asyncio.Event()
+
+    async def probe() -> None:
         if verdict["fail"] == "raise":
             raise RuntimeError("CUDA error: device-side assert")
         if verdict["fail"] == "hang":
-            threading.Event().wait(1.0)
+            await hung.wait()
 
     app = build_app(settings(probe_timeout_s=0.2), probe=probe)
     production = app.state.production
@@ -138,8 +144,10 @@ def test_readiness_follows_a_real_probe_and_liveness_does_not() -> None:
         await production.probe.run_once()
         assert "longer than" in (await client.get("/readyz")).json()["reason"]
         verdict["fail"] = None
-        await production.probe.run_once()  # the hung probe may still be running: no second one starts
-        await asyncio.sleep(1.0)  # let the hung probe's thread return (a thread cannot be awaited otherwise)
+        still = await production.probe.run_once()  # the hung probe is still running: no second one starts
+        assert not still.ok and "still running" in still.reason
+        hung.set()
+        await production.probe._pending
         await production.probe.run_once()
         assert (await client.get("/readyz")).status_code == 200
 
@@ -168,7 +176,8 @@ def test_drain_refuses_new_requests_with_503_and_finishes_accepted_ones(oracle) 
         await until(lambda: drain.in_flight == 1)
         draining = asyncio.create_task(drain.drain())
         await until(lambda: drain.draining)
-        assert (await client.get("/readyz")).status_code == 503
+        readiness = await client.get("/readyz")
+        assert readiness.status_code == 503 and readiness.json()["reason"] == "draining"
         refused = await infer(client)
         assert refused.status_code == 503 and refused.json()["error"]["type"] == "draining"
         assert int(refused.headers["Retry-After"]) >= 1
@@ -178,7 +187,7 @@ def test_drain_refuses_new_requests_with_503_and_finishes_accepted_ones(oracle) 
         report = await draining
         assert report.cut_off == 0
 
-    asyncio.run(run(app, scenario))
+    asyncio.run(serving_gated(app, gate, scenario))
 
 
 def test_drain_gives_up_at_its_timeout_and_reports_what_it_cut_off() -> None:
@@ -193,7 +202,7 @@ def test_drain_gives_up_at_its_timeout_and_reports_what_it_cut_off() -> None:
         gate.set()
         await stuck
 
-    asyncio.run(run(app, scenario))
+    asyncio.run(serving_gated(app, gate, scenario))
 
 
 def metric_samples(text: str) -> dict[str, list]:

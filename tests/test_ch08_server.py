@@ -1,21 +1,30 @@
 """Chapter 8's server in-process (httpx's ASGI transport): the contract, /stats, overload, deadlines, failures.
 
-A gate around the model holds the engine between steps when a test needs a state to last; tests wait
-for states, never for time. Streams and disconnects need a real socket: test_ch08_streaming.py.
+A gate around the model holds the step thread between steps when a test needs a state to last; tests wait
+for states, never for time. Each scenario first waits for chapter 7's readiness probe (one real
+request through the step thread at start-up) and counts from there. Streams and disconnects need a real
+socket: test_ch08_streaming.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
+import json
+import re
 import threading
-import time
+from pathlib import Path
 
 import httpx
 import pytest
 from asgi_helpers import serving, until
+from prometheus_client.parser import text_string_to_metric_families
 
-from chapters.ch08_continuous_batching.scheduler import Sequence
 from chapters.ch08_continuous_batching.server import ContinuousSettings, build_app
+from shared.schemas import ValidRequest
+
+CH07_DEPLOY = Path(__file__).parent.parent / "chapters" / "ch07_production" / "deploy"
+CH08_DEPLOY = Path(__file__).parent.parent / "chapters" / "ch08_continuous_batching" / "deploy"
 
 
 class GatedModel:
@@ -35,12 +44,27 @@ class GatedModel:
 
 
 def settings(**overrides) -> ContinuousSettings:
-    base = {"weights": "default", "device": "cpu", "precision": "fp32", "pool_tokens": 2048, "max_num_seqs": 4, "max_num_batched_tokens": 64}
+    base = {"weights": "default", "device": "cpu", "precision": "fp32", "pool_tokens": 2048, "max_num_seqs": 4,
+            "max_num_batched_tokens": 64, "probe_interval_s": 3600}
     return ContinuousSettings(**{**base, **overrides})
 
 
-def run(app, scenario) -> None:
-    asyncio.run(serving(app, scenario))
+def run(app, scenario, gate: GatedModel | None = None) -> None:
+    """``scenario`` once the start-up probe has passed; a gate is opened however the scenario ends."""
+    async def started(client: httpx.AsyncClient) -> None:
+        await app.state.production.probe.passed.wait()
+        try:
+            await scenario(client)
+        finally:
+            if gate is not None:
+                gate.gate.set()
+
+    asyncio.run(serving(app, started))
+
+
+def step_thread_of(app):
+    """The step thread of the version now serving (chapter 7's registry holds one backend per version)."""
+    return app.state.registry.newest().backend.step_thread
 
 
 def test_inference_returns_the_oracles_tokens_with_the_contracts_fields(oracle) -> None:
@@ -57,7 +81,7 @@ def test_inference_returns_the_oracles_tokens_with_the_contracts_fields(oracle) 
             assert {"queue", "prefill", "ttft", "decode", "total"} <= set(body["timings_ms"])
             assert answer.headers["X-Request-ID"] == body["request_id"]
         stats = (await client.get("/stats")).json()["scheduler"]
-        assert stats["finished"] == 3 and stats["blocks_used"] == 0 and stats["blocks_free"] == stats["blocks_total"]
+        assert stats["finished"] == 3 + 1 and stats["blocks_used"] == 0  # and the start-up probe and stats["blocks_free"] == stats["blocks_total"]
         assert stats["running"] == stats["waiting"] == 0 and stats["tokens_per_step"] > 0
 
     run(app, scenario)
@@ -87,70 +111,204 @@ def test_past_max_num_seqs_plus_max_queue_requests_get_429_with_retry_after() ->
     gated: list[GatedModel] = []
     app = build_app(settings(max_num_seqs=1, max_num_batched_tokens=1, max_queue=1), wrap_model=lambda m: gated.append(GatedModel(m)) or gated[0])
     gate = gated[0]
-    gate.gate.clear()
-    backend = app.state.backend
 
     async def scenario(client: httpx.AsyncClient) -> None:
+        gate.gate.clear()
         inside = [asyncio.create_task(client.post("/v1/inference", json={"input_ids": [i], "max_new_tokens": 2})) for i in (1, 2)]
-        await until(lambda: backend.in_flight == 2)
+        await until(lambda: app.state.drain.in_flight == 2)
         refused = await client.post("/v1/inference", json={"input_ids": [3], "max_new_tokens": 2})
         assert refused.status_code == 429 and refused.json()["error"]["type"] == "overloaded"
         assert int(refused.headers["Retry-After"]) >= 1
         gate.gate.set()
         assert [r.status_code for r in await asyncio.gather(*inside)] == [200, 200]
 
-    run(app, scenario)
+    run(app, scenario, gate)
 
 
 def test_a_failing_step_fails_its_requests_with_500_frees_their_blocks_and_the_server_goes_on(oracle) -> None:
     gated: list[GatedModel] = []
     app = build_app(settings(), wrap_model=lambda m: gated.append(GatedModel(m)) or gated[0])
-    gate, engine = gated[0], app.state.engine
+    gate = gated[0]
 
     async def scenario(client: httpx.AsyncClient) -> None:
+        step_thread = step_thread_of(app)
         gate.fail = True
         failed = await client.post("/v1/inference", json={"input_ids": [1, 2, 3], "max_new_tokens": 5})
         assert failed.status_code == 500 and failed.json()["error"]["type"] == "batch_failed"
         gate.fail = False
         ok = await client.post("/v1/inference", json={"input_ids": [1, 2, 3], "max_new_tokens": 5})
         assert ok.status_code == 200 and ok.json()["output_ids"] == oracle([1, 2, 3], 5)
-        assert engine.scheduler.manager.used_blocks == 0 and engine.failed_steps == 1
+        assert step_thread.scheduler.manager.used_blocks == 0 and step_thread.failed_steps == 1
 
-    run(app, scenario)
+    run(app, scenario, gate)
 
 
-def test_a_request_past_its_deadline_gets_504_and_its_blocks_back_within_one_step() -> None:
+def test_a_request_past_its_deadline_gets_504_and_its_blocks_back_within_one_step(oracle) -> None:
     gated: list[GatedModel] = []
     app = build_app(settings(), wrap_model=lambda m: gated.append(GatedModel(m)) or gated[0])
-    gate, engine = gated[0], app.state.engine
-    gate.gate.clear()
+    gate = gated[0]
 
     async def scenario(client: httpx.AsyncClient) -> None:
-        # Submitted straight to the engine with a deadline already past, beside a request that has none.
-        expired = engine.submit(Sequence(list(range(1, 40)), 50, deadline=time.perf_counter()))
+        step_thread = step_thread_of(app)
+        gate.gate.clear()  # the step thread stops inside its next step
+        late = asyncio.create_task(client.post("/v1/inference", json={"input_ids": list(range(1, 40)), "max_new_tokens": 50},
+                                               headers={"X-Request-Timeout-S": "0.05"}))
         alive = asyncio.create_task(client.post("/v1/inference", json={"input_ids": [4, 5], "max_new_tokens": 3}))
+        await until(lambda: step_thread.scheduler.manager.used_blocks > 0)  # both are in the step the gate holds
+        answer = await late  # the shell's deadline passes while the step thread is held
+        assert answer.status_code == 504 and answer.json()["error"]["type"] == "deadline_exceeded"
         gate.gate.set()
-        finished = await expired.result
-        assert finished.error is not None and finished.error.status == 504
-        assert (await alive).status_code == 200
-        assert engine.scheduler.manager.used_blocks == 0 and engine.scheduler.stats.aborted == 1
+        assert (await alive).json()["output_ids"] == oracle([4, 5], 3)
+        await until(lambda: step_thread.scheduler.manager.used_blocks == 0)
+        assert step_thread.scheduler.stats.aborted == 1
 
-    run(app, scenario)
+    run(app, scenario, gate)
 
 
 def test_the_server_wide_deadline_flag_turns_a_long_request_into_504() -> None:
     gated: list[GatedModel] = []
     app = build_app(settings(request_timeout_s=0.05), wrap_model=lambda m: gated.append(GatedModel(m)) or gated[0])
     gate = gated[0]
-    gate.gate.clear()
-    backend = app.state.backend
 
     async def scenario(client: httpx.AsyncClient) -> None:
-        late = asyncio.create_task(client.post("/v1/inference", json={"input_ids": [1, 2], "max_new_tokens": 5}))
-        await until(lambda: backend.in_flight == 1)
-        await asyncio.sleep(0.1)  # the deadline itself is time: let 50 ms pass before the engine moves
-        gate.gate.set()
-        answer = await late
+        gate.gate.clear()
+        answer = await client.post("/v1/inference", json={"input_ids": [1, 2], "max_new_tokens": 5})
         assert answer.status_code == 504 and answer.json()["error"]["type"] == "deadline_exceeded"
+
+    run(app, scenario, gate)
+
+
+def dashboard_series(path: Path) -> set[str]:
+    """The metric names a Grafana dashboard's queries use (histogram suffixes and _total kept as written)."""
+    dashboard = json.loads(path.read_text())
+    return {m for p in dashboard["panels"] for t in p["targets"] for m in re.findall(r"\b(inference_[a-z_]+)", t["expr"])}
+
+
+def test_metrics_add_token_latencies_sequences_blocks_and_steps_and_both_dashboards_query_only_what_exists(oracle) -> None:
+    app = build_app(settings())
+    prompts = [([5, 6, 7], 9), ([1, 2], 4), ([9], 1)]
+
+    async def scenario(client: httpx.AsyncClient) -> None:
+        answers = await asyncio.gather(*(client.post("/v1/inference", json={"input_ids": p, "max_new_tokens": n}) for p, n in prompts))
+        assert [a.json()["output_ids"] for a in answers] == [oracle(p, n) for p, n in prompts]
+        text = (await client.get("/metrics")).text
+        families = list(text_string_to_metric_families(text))
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
+        # a labelled series with no sample yet (no error so far) is still declared: its family counts
+        suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
+        names = {name for name, _ in samples} | {f.name + end for f in families for end in suffixes.get(f.type, ("",))}
+        scheduler = (await client.get("/stats")).json()["scheduler"]
+
+        def value(name: str, **labels) -> float:
+            return samples[(name, tuple(sorted({"version": "v1", **labels}.items())))]
+
+        finished = len(prompts) + 1  # and the start-up probe
+        assert value("inference_time_to_first_token_seconds_count") == finished
+        assert value("inference_time_per_output_token_seconds_count") == finished - 1  # the one-token answer has no TPOT
+        assert value("inference_sequences", state="running") == value("inference_sequences", state="waiting") == 0
+        assert value("inference_kv_blocks", state="used") == 0 and value("inference_kv_blocks", state="free") == scheduler["blocks_total"]
+        assert value("inference_steps_total") == scheduler["steps"]
+        assert value("inference_step_tokens_total", kind="prefill") + value("inference_step_tokens_total", kind="decode") == scheduler["tokens_computed"]
+        assert value("inference_preemptions_total") == scheduler["preemptions"]
+        for dashboard in (CH07_DEPLOY / "grafana-dashboard.json", CH08_DEPLOY / "grafana-continuous-batching.json"):
+            for name in dashboard_series(dashboard):
+                assert name in names, f"{dashboard.parent.parent.name}'s dashboard queries {name}, which the server does not export"
+
+    run(app, scenario)
+
+
+def sse_events(body: str) -> list[tuple[str, dict]]:
+    events, name = [], None
+    for line in body.splitlines():
+        if line.startswith("event: "):
+            name = line.removeprefix("event: ")
+        elif line.startswith("data: "):
+            events.append((name, json.loads(line.removeprefix("data: "))))
+    return events
+
+
+def test_a_drain_with_an_open_stream_refuses_new_work_and_lets_the_stream_finish(oracle) -> None:
+    gated: list[GatedModel] = []
+    app = build_app(settings(), wrap_model=lambda m: gated.append(GatedModel(m)) or gated[0])
+    gate, drain = gated[0], app.state.drain
+
+    async def scenario(client: httpx.AsyncClient) -> None:
+        gate.gate.clear()
+        stream = asyncio.create_task(client.post("/v1/inference", json={"input_ids": [5, 6, 7], "max_new_tokens": 6, "stream": True}))
+        await until(lambda: drain.in_flight == 1)
+        draining = asyncio.create_task(drain.drain())
+        await until(lambda: drain.draining)
+        readiness = await client.get("/readyz")
+        assert readiness.status_code == 503 and readiness.json()["reason"] == "draining"
+        refused = await client.post("/v1/inference", json={"input_ids": [1], "max_new_tokens": 2, "stream": True})
+        assert refused.status_code == 503 and refused.json()["error"]["type"] == "draining"
+        assert not draining.done()
+        gate.gate.set()
+        events = sse_events((await stream).text)
+        assert [e for e, _ in events] == ["token"] * 6 + ["done"]
+        assert events[-1][1]["output_ids"] == oracle([5, 6, 7], 6)
+        assert (await draining).cut_off == 0
+
+    run(app, scenario, gate)
+
+
+def test_a_deadline_in_the_middle_of_a_stream_ends_it_with_an_error_event_and_frees_its_blocks() -> None:
+    gated: list[GatedModel] = []
+    app = build_app(settings(), wrap_model=lambda m: gated.append(GatedModel(m)) or gated[0])
+    gate = gated[0]
+
+    async def scenario(client: httpx.AsyncClient) -> None:
+        step_thread = step_thread_of(app)
+        gate.gate.clear()  # the stream has started (200 sent at admission); no token comes before its deadline
+        answer = await client.post("/v1/inference", json={"input_ids": list(range(1, 30)), "max_new_tokens": 40, "stream": True},
+                                   headers={"X-Request-Timeout-S": "0.1"})
+        assert answer.status_code == 200
+        events = sse_events(answer.text)
+        assert events[-1][0] == "error" and events[-1][1]["error"]["type"] == "deadline_exceeded", events
+        gate.gate.set()
+        await until(lambda: step_thread.scheduler.manager.used_blocks == 0 and step_thread.scheduler.stats.aborted == 1)
+        assert app.state.drain.in_flight == 0 and app.state.registry.newest().in_flight == 0
+
+    run(app, scenario, gate)
+
+
+def test_hot_reload_with_a_stream_open_drops_nothing_and_unloads_the_old_version(oracle) -> None:
+    gated: list[GatedModel] = []
+    app = build_app(settings(admin_token="secret", attention="gather"), wrap_model=lambda m: gated.append(GatedModel(m)) or gated[-1])
+    first = gated[0]
+    admin = {"Authorization": "Bearer secret"}
+
+    async def scenario(client: httpx.AsyncClient) -> None:
+        registry = app.state.registry
+        first.gate.clear()
+        stream = asyncio.create_task(client.post("/v1/inference", json={"input_ids": [5, 6, 7], "max_new_tokens": 5, "stream": True}))
+        await until(lambda: registry.versions["v1"].in_flight == 1)
+        loaded = await client.post("/admin/models", json={"version": "v2", "weights": "default"}, headers=admin)
+        assert loaded.status_code == 201, loaded.text
+        on_v2 = await client.post("/v1/inference", json={"input_ids": [1, 2], "max_new_tokens": 3})
+        assert on_v2.json()["output_ids"] == oracle([1, 2], 3)
+        assert "v1" in registry.versions and registry.versions["v1"].retired  # still streaming: not unloaded
+        first.gate.set()
+        events = sse_events((await stream).text)
+        assert events[-1][0] == "done" and events[-1][1]["output_ids"] == oracle([5, 6, 7], 5)
+        await until(lambda: len(registry.unloaded) == 1)  # its step thread stopped, its pool dropped
+        assert [(u.name, u.forced) for u in registry.unloaded] == [("v1", False)] and "v1" not in registry.versions
+
+    run(app, scenario, first)
+
+
+def test_a_stream_admitted_but_never_read_gives_back_every_count() -> None:
+    # A response cancelled before its first byte never starts its body: no finally runs in it.
+    app = build_app(settings())
+
+    async def scenario(client: httpx.AsyncClient) -> None:
+        backend = app.state.registry.newest().backend
+        stream = await app.state.production.open_stream(ValidRequest([1, 2], 3))
+        assert app.state.drain.in_flight == 1 and app.state.registry.newest().in_flight == 1
+        del stream
+        gc.collect()
+        assert app.state.drain.in_flight == 0 and app.state.registry.newest().in_flight == 0
+        await until(lambda: backend.in_flight == 0)  # its sequence still ran to its end, nobody reading
+        assert backend.step_thread.scheduler.manager.used_blocks == 0
 
     run(app, scenario)

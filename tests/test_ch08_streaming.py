@@ -24,7 +24,8 @@ MODULE = "chapters.ch08_continuous_batching"
 
 @pytest.fixture(scope="module")
 def ch08():
-    args = ["--device", "cpu", "--precision", "fp32", "--max-num-seqs", "64", "--max-num-batched-tokens", "256", "--pool-tokens", "16384"]
+    args = ["--device", "cpu", "--precision", "fp32", "--max-num-seqs", "64", "--max-num-batched-tokens", "256", "--pool-tokens", "16384",
+            "--probe-interval-s", "3600"]  # the readiness probe is a real request: one at start-up, none during the tests
     with running_module(MODULE, args, name="ch08") as running:
         yield running
 

@@ -2,8 +2,9 @@
 
 The HTTP layer knows one thing about inference: a :class:`Backend`. Chapter 2's backend hands each
 request to one inference thread; chapter 3's to a batcher; later chapters compose theirs from a
-pool, admission control, an engine. Each chapter's ``server.py`` builds its backend from parts and
-passes it to :func:`create_app`, so what a chapter runs can be read in that one file.
+pool, admission control, an engine, and chapter 7 wraps any of them in a production shell. Each
+chapter's ``server.py`` composes its backend from parts named in its imports and passes it to
+:func:`create_app`: ``server.py`` shows what a chapter runs, the imported modules how each part works.
 """
 
 from __future__ import annotations

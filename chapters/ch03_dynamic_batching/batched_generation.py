@@ -20,7 +20,7 @@ The batch is driven by the step loop (:mod:`~chapters.ch03_dynamic_batching.step
 request-level scheduler, :class:`StaticBatch`: the batch enters together and leaves together. A row
 that asked for fewer tokens stops being returned once it has them, but its slot keeps being computed
 (and padded columns keep being carried) until the longest row is done; requests that arrive
-meanwhile wait for the whole batch. Continuous batching (chapter 8, on the roadmap) is a step-level
+meanwhile wait for the whole batch. Continuous batching (chapter 8) is a step-level
 scheduler on the same loop that lets rows leave and join at every step.
 
 ``cache_factory(batch_size, max_seq_len) -> KVCache`` chooses where the batch's keys and values live
@@ -31,26 +31,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import Tensor
 
+from chapters.ch02_fastapi_async.api import Generated
 from chapters.ch03_dynamic_batching.step_loop import run_until_done
 from shared.devices import synchronize
 from shared.model import DynamicKVCache, KVCache, ModelConfig, StepModel
 
 # (batch_size, max_seq_len) -> an empty cache for that many rows; it will hold at most max_seq_len positions.
 CacheFactory = Callable[[int, int], KVCache]
-
-
-@dataclass
-class RowOutput:
-    """One request's share of a batch: its new ids and where the time went (milliseconds)."""
-
-    output_ids: list[int]
-    timings_ms: dict[str, float] = field(default_factory=dict)
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
@@ -170,10 +163,10 @@ class StaticBatch:
         self.position_ids = self.position_ids + 1
         self.attention_mask = torch.cat([self.attention_mask, self.attention_mask.new_ones((len(tokens), 1))], dim=1)
 
-    def results(self) -> list[RowOutput]:
+    def results(self) -> list[Generated]:
         batch_ms = (time.perf_counter() - self.started) * 1e3
         return [
-            RowOutput(ids, {"prefill": self.prefill_ms, "decode": done - self.prefill_ms, "batch": batch_ms})
+            Generated(ids, {"prefill": self.prefill_ms, "decode": done - self.prefill_ms, "batch": batch_ms})
             for ids, done in zip(self.outputs, self.finished_ms)
         ]
 
@@ -207,7 +200,7 @@ def batched_greedy(
     pad_id: int,
     cache_factory: CacheFactory | None = None,
     prefill: Prefill = "by_length",
-) -> list[RowOutput]:
+) -> list[Generated]:
     """Greedy continuations of every prompt, computed together: row ``i`` gets exactly ``max_new_tokens[i]`` ids.
 
     :class:`StaticBatch` turned by the step loop until the longest row is done.
@@ -307,10 +300,10 @@ def generate_batch(
     pad_id: int,
     cache_factory: CacheFactory | None = None,
     prefill: Prefill = "by_length",
-) -> list[RowOutput]:
+) -> list[Generated]:
     """:func:`batched_greedy` for any batch of valid requests, split where the padded batch would not fit."""
     groups = split_to_fit([(len(p), n) for p, n in zip(prompts, max_new_tokens)], model.config.n_ctx)
-    outputs: list[RowOutput] = []
+    outputs: list[Generated] = []
     for group in groups:
         outputs += batched_greedy(
             model, [prompts[i] for i in group], [max_new_tokens[i] for i in group], pad_id, cache_factory, prefill

@@ -33,11 +33,12 @@ import asyncio
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
+from chapters.ch02_fastapi_async.api import DisconnectCheck
 from shared.schemas import ApiError
 
 log = logging.getLogger(__name__)
@@ -47,8 +48,6 @@ ResultT = TypeVar("ResultT")
 
 # Blocking: computes a whole batch; returns one result per request, in order.
 BatchRunner = Callable[[list[RequestT]], list[ResultT]]
-# Asks whether the client behind a request has gone away (Starlette's ``request.is_disconnected``).
-DisconnectCheck = Callable[[], Awaitable[bool]]
 
 
 class Clock(Protocol):

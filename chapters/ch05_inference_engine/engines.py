@@ -120,8 +120,11 @@ def choose_default(model: GPT) -> tuple[str, str]:
         choice = measure_candidates(model, candidates)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(choice, indent=1))
-    log.info("auto engine: %s/%s, by the rule over: %s", *choice["chosen"], ", ".join(
-        f"{r['engine']}/{r['precision']} {r['requests_per_s']:.1f} req/s, accuracy {r['accuracy']:.3f}" for r in choice["measured"]))
+    log.info("auto engine: %s/%s, by the rule over (the probe: one batch of %d prompts of %d tokens, %d new tokens each, "
+             "in-process, no server; task accuracy on %d held-out pairs): %s", *choice["chosen"],
+             PROBE_BATCH, PROBE_PROMPT, PROBE_STEPS, PROBE_PAIRS, ", ".join(
+                 f"{r['engine']}/{r['precision']} {r['requests_per_s']:.1f} probe requests/s, accuracy {r['accuracy']:.3f}"
+                 for r in choice["measured"]))
     return choice["chosen"][0], choice["chosen"][1]
 
 

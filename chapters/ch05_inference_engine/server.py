@@ -27,14 +27,8 @@ from pydantic_settings import BaseSettings
 
 from chapters.ch02_fastapi_async.api import create_app
 from chapters.ch03_dynamic_batching.batcher import DynamicBatcher
-from chapters.ch04_memory_pool.server import (
-    CpuFallback,
-    PooledBackend,
-    PooledBatchRunner,
-    PoolSettings,
-    admission_for,
-    build_pool,
-)
+from chapters.ch04_memory_pool.pooled_backend import CpuFallback, PooledBackend, PooledBatchRunner
+from chapters.ch04_memory_pool.server import PoolSettings, admission_for, build_pool
 from chapters.ch05_inference_engine.engine import Engine
 from chapters.ch05_inference_engine.engines import build_engine
 from shared.devices import choose_device, set_threads

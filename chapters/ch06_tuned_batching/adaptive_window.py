@@ -20,7 +20,8 @@ at the latest gap: a request that came right after another says company is arriv
 
 from __future__ import annotations
 
-from chapters.ch03_dynamic_batching.batcher import DisconnectCheck, DynamicBatcher
+from chapters.ch02_fastapi_async.api import DisconnectCheck
+from chapters.ch03_dynamic_batching.batcher import DynamicBatcher
 
 
 class ArrivalRate:

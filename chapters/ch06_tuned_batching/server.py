@@ -20,7 +20,8 @@ from fastapi import FastAPI
 from pydantic import Field
 
 from chapters.ch02_fastapi_async.api import create_app
-from chapters.ch04_memory_pool.server import CpuFallback, PooledBackend, PooledBatchRunner, admission_for, build_pool
+from chapters.ch04_memory_pool.pooled_backend import CpuFallback, PooledBackend, PooledBatchRunner
+from chapters.ch04_memory_pool.server import admission_for, build_pool
 from chapters.ch05_inference_engine.server import EngineSettings, engine_for
 from chapters.ch06_tuned_batching.adaptive_window import AdaptiveBatcher
 from shared.devices import choose_device, set_threads

@@ -1,10 +1,13 @@
-"""Health that cannot lie: liveness is "the event loop answers", readiness is "a real forward pass works now".
+"""Health that cannot lie: liveness is "the event loop answers", readiness is "a real request is answered now".
 
 A readiness check that only returns ``{"status": "ok"}`` stays green while the device is wedged, the
-weights are corrupt or every forward pass takes ten seconds. :class:`ReadinessProbe` runs a tiny
-real generation (a prefill and one decode step on a fixed prompt) every ``interval_s`` in its own
-thread, bounded by ``timeout_s``; readiness is the last probe's verdict. A probe that raises, or
-takes longer than its timeout, makes the instance not ready until a later probe passes.
+weights are corrupt or every forward pass takes ten seconds. :class:`ReadinessProbe` sends one tiny
+real request (a fixed prompt, two new tokens) through the backend that serves, the same engine,
+batcher and KV memory as every client's, every ``interval_s``, bounded by ``timeout_s``; readiness
+is the last probe's verdict. A probe that fails, or takes longer than its timeout, makes the
+instance not ready until a later probe passes. A probe refused with 429 counts as passed: the
+backend answered, it is busy and protecting itself, and taking a busy instance out of rotation
+would only move its load onto the others.
 """
 
 from __future__ import annotations
@@ -12,25 +15,33 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from chapters.ch03_dynamic_batching.batched_generation import generate_batch
-from shared.model import StepModel
+from chapters.ch02_fastapi_async.api import Backend
+from shared.schemas import ApiError, ValidRequest
 
 log = logging.getLogger("chapters.ch07_production.health")
 
 PROBE_PROMPT = [1, 2, 3, 4]  # a fixed prompt: any model accepts ids below 5
+PROBE_NEW_TOKENS = 2
 
 
-def forward_probe(model: StepModel, pad_id: int) -> Callable[[], None]:
-    """A blocking function that runs a prefill and a decode step through ``model``, with its own small cache."""
+def request_probe(serving: Callable[[], Backend]) -> Callable[[], Awaitable[None]]:
+    """A probe that sends one real request through the backend ``serving()`` returns (the newest version)."""
 
-    def probe() -> None:
-        (row,) = generate_batch(model, [PROBE_PROMPT], [2], pad_id)
-        if len(row.output_ids) != 2:
-            raise RuntimeError(f"the probe generated {len(row.output_ids)} tokens instead of 2")
+    async def still_here() -> bool:
+        return False
+
+    async def probe() -> None:
+        try:
+            result = await serving().generate(ValidRequest(list(PROBE_PROMPT), PROBE_NEW_TOKENS), still_here)
+        except ApiError as exc:
+            if exc.status == 429:
+                return  # answered: busy, not broken
+            raise
+        if len(result.output_ids) != PROBE_NEW_TOKENS:
+            raise RuntimeError(f"the probe generated {len(result.output_ids)} tokens instead of {PROBE_NEW_TOKENS}")
 
     return probe
 
@@ -44,14 +55,13 @@ class ProbeResult:
 
 
 class ReadinessProbe:
-    """Runs ``probe`` periodically off the event loop; :attr:`last` is the latest verdict (None: none yet)."""
+    """Runs ``probe`` (a coroutine function) periodically; :attr:`last` is the latest verdict (None: none yet)."""
 
-    def __init__(self, probe: Callable[[], None], interval_s: float, timeout_s: float) -> None:
+    def __init__(self, probe: Callable[[], Awaitable[None]], interval_s: float, timeout_s: float) -> None:
         self.probe, self.interval_s, self.timeout_s = probe, interval_s, timeout_s
         self.last: ProbeResult | None = None
         self.passed = asyncio.Event()  # set once any probe has passed (start-up is over)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="readiness-probe")
-        self._pending = None  # a probe still running in the thread (timed out): never start a second one
+        self._pending: asyncio.Task | None = None  # a probe still running (timed out): never start a second one
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -63,7 +73,7 @@ class ReadinessProbe:
         if self._pending is not None and not self._pending.done():
             result = ProbeResult(False, "the previous probe is still running", 0.0, started)
         else:
-            self._pending = asyncio.get_running_loop().run_in_executor(self._executor, self.probe)
+            self._pending = asyncio.create_task(self.probe(), name="readiness-probe-request")
             try:
                 await asyncio.wait_for(asyncio.shield(self._pending), self.timeout_s)
                 result = ProbeResult(True, "ok", time.monotonic() - started, time.monotonic())
@@ -86,6 +96,6 @@ class ReadinessProbe:
             await asyncio.sleep(self.interval_s)  # a period, not a wait for a state
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        for task in (self._task, self._pending):
+            if task is not None and not task.done():
+                task.cancel()

@@ -4,13 +4,16 @@ Two kinds of series. Those that change per request (latency, status, stages, err
 recorded by the request middleware when the response is sent. Those that describe a state (queue
 length, memory, the pool, the batch-size histogram the batcher already counts, the loaded
 versions) are read at scrape time by :class:`StateCollector`, so the hot path pays nothing for them
-and no earlier chapter needs a hook.
+and no earlier chapter needs a hook. The collector knows no backend class: a STATE READER, passed
+in by whoever composes the server, turns a backend into a :class:`BackendState` of plain numbers
+(:func:`pooled_state` reads chapter 6's backend; chapter 8 passes its own).
 """
 
 from __future__ import annotations
 
 from collections import Counter as TallyCounter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -69,38 +72,62 @@ class RequestMetrics:
             self.prompt_tokens.inc(prompt_tokens)
 
 
+@dataclass(frozen=True)
+class BackendState:
+    """What ``/metrics`` reads from one backend at scrape time: plain numbers, whatever the backend is."""
+
+    waiting: int  # requests accepted and not computing yet
+    kv_bytes_total: int  # the KV memory the backend holds
+    kv_bytes_used: int  # ... of which taken by requests now
+    batch_sizes: Mapping[int, int] = field(default_factory=dict)  # requests (rows) per batch or step -> how many so far
+    kv_slot_bytes: Mapping[str, float] = field(default_factory=dict)  # counters: KV bytes "reserved", and "written" with a real token
+
+
+def pooled_state(backend) -> BackendState:
+    """Chapters 4-6's :class:`~chapters.ch04_memory_pool.pooled_backend.PooledBackend`: its batcher and its pool."""
+    pool = backend.runner.stats()
+    slot_bytes = pool["bytes_total"] / max(1, pool["blocks_total"] * pool["block_tokens"])
+    return BackendState(
+        waiting=backend.batcher.queued, kv_bytes_total=pool["bytes_total"], kv_bytes_used=pool["bytes_used"],
+        batch_sizes=TallyCounter(backend.batcher.stats.batch_sizes),
+        kv_slot_bytes={"reserved": pool["slots_reserved_total"] * slot_bytes, "written": pool["slots_written_total"] * slot_bytes},
+    )
+
+
+StateReader = Callable[[object], BackendState]
+
+
 class StateCollector(Collector):
     """Reads the server's state when Prometheus scrapes.
 
-    ``versions`` returns ``(name, source, backend, in_flight)`` for each loaded version; ``device``
-    and ``ready`` describe the process. A version that is unloaded keeps its batch-size counts here
-    (the counter must never go down).
+    ``versions`` returns ``(name, source, state, in_flight)`` for each loaded version, ``state`` a
+    :class:`BackendState`; ``device`` and ``ready`` describe the process. A version that is
+    unloaded keeps its batch-size counts here (the counter must never go down).
     """
 
-    def __init__(self, versions: Callable[[], Iterable[tuple]], device: Callable[[], object], ready: Callable[[], bool]) -> None:
+    def __init__(self, versions: Callable[[], Iterable[tuple[str, str, BackendState, int]]], device: Callable[[], object],
+                 ready: Callable[[], bool]) -> None:
         self.versions, self.device, self.ready = versions, device, ready
         self._batch_sizes: dict[str, TallyCounter[int]] = {}
 
     def collect(self):
-        queue = GaugeMetricFamily("inference_queue_length", "requests waiting in the batchers' queues")
+        queue = GaugeMetricFamily("inference_queue_length", "requests accepted and waiting to be computed")
         in_flight = GaugeMetricFamily("inference_model_in_flight", "requests using each model version", labels=["version"])
         info = GaugeMetricFamily("inference_model_info", "loaded model versions (1 each)", labels=["version", "source"])
-        pool_bytes = GaugeMetricFamily("inference_kv_pool_bytes", "KV pool bytes, allocated and reserved by live batches",
+        pool_bytes = GaugeMetricFamily("inference_kv_pool_bytes", "KV pool bytes, allocated and taken by requests now",
                                        labels=["version", "state"])
         pool_slots = CounterMetricFamily("inference_kv_pool_slot_bytes", "KV bytes ever reserved by batches and those holding a real token",
                                          labels=["version", "kind"])
         waiting = 0
-        for name, source, backend, count in self.versions():
-            waiting += backend.batcher.queued
+        for name, source, state, count in self.versions():
+            waiting += state.waiting
             in_flight.add_metric([name], count)
             info.add_metric([name, source], 1)
-            pool = backend.runner.stats()
-            slot_bytes = pool["bytes_total"] / max(1, pool["blocks_total"] * pool["block_tokens"])
-            pool_bytes.add_metric([name, "total"], pool["bytes_total"])
-            pool_bytes.add_metric([name, "reserved"], pool["bytes_used"])
-            pool_slots.add_metric([name, "reserved"], pool["slots_reserved_total"] * slot_bytes)
-            pool_slots.add_metric([name, "written"], pool["slots_written_total"] * slot_bytes)
-            self._batch_sizes[name] = TallyCounter(backend.batcher.stats.batch_sizes)
+            pool_bytes.add_metric([name, "total"], state.kv_bytes_total)
+            pool_bytes.add_metric([name, "reserved"], state.kv_bytes_used)
+            for kind, value in state.kv_slot_bytes.items():
+                pool_slots.add_metric([name, kind], value)
+            self._batch_sizes[name] = TallyCounter(state.batch_sizes)
         queue.add_metric([], waiting)
         yield from (queue, in_flight, info, pool_bytes, pool_slots)
         yield self._batch_histogram()

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from chapters.ch04_memory_pool.server import PooledBackend
+from chapters.ch02_fastapi_async.api import Backend
 from shared.schemas import ApiError
 from shared.weights import LoadedModel
 
@@ -30,11 +30,11 @@ MODEL_VERSION_HEADER = "X-Model-Version"
 
 @dataclass(eq=False)
 class ModelVersion:
-    """One loaded model and the backend (engine, pool, batcher) that serves it."""
+    """One loaded model and the backend (chapter 2's interface: whatever chapter built it) that serves it."""
 
     name: str
     loaded: LoadedModel | None
-    backend: PooledBackend | None
+    backend: Backend | None
     in_flight: int = 0
     retired: bool = False
     idle: asyncio.Event = field(default_factory=asyncio.Event)
@@ -44,7 +44,7 @@ class ModelVersion:
         self.idle.set()
 
     @contextmanager
-    def use(self) -> Iterator[PooledBackend]:
+    def use(self) -> Iterator[Backend]:
         """Count one request in for the block; the count is what decides when the version may unload."""
         self.in_flight += 1
         self.idle.clear()

@@ -2,10 +2,14 @@
 
 Nothing about how a batch is computed changes: each model version is chapter 6's backend (adaptive
 batcher, engine, KV pool, admission control), built by chapter 6's ``build_backend``. What this
-chapter adds sits around it, in :class:`ProductionBackend` and a few routes:
+chapter adds sits around it, in :class:`ProductionBackend` and a few routes, and it knows the
+backend only through chapter 2's :class:`~chapters.ch02_fastapi_async.api.Backend` interface: the
+same shell wraps any backend (chapter 8 puts its continuous batcher inside it) given how to build
+one (``backend_factory``) and how to read its state for ``/metrics`` (``read_state``).
 
 - ``/livez``: the event loop answers. ``/readyz``: a model is loaded, the server is not draining,
-  and the last periodic real forward pass (``health.py``) passed in time. ``/healthz`` stays.
+  and the last periodic real request through the serving backend (``health.py``) was answered in
+  time. ``/healthz`` stays.
 - SIGTERM drains (``drain.py``): readiness 503 at once, new requests 503 + Retry-After, accepted
   ones finish, exit when idle or at ``--drain-timeout-s``.
 - Deadlines (``deadlines.py``): ``--request-timeout-s``, or a shorter ``X-Request-Timeout-S``: 504.
@@ -14,6 +18,8 @@ chapter adds sits around it, in :class:`ProductionBackend` and a few routes:
 - ``/metrics`` (``metrics.py``) and one JSON log line per request (``request_log.py``).
 - ``POST /admin/models`` (``model_registry.py``): load a version beside the running one, route new
   requests to it, unload the old one when its last request is done.
+- A backend that streams (``open_stream``, chapter 8's) is streamed through the same drain,
+  version count, deadline and disconnect handling (:meth:`ProductionBackend.open_stream`).
 - ``--leak-lesson leaky|fixed`` and ``leakcheck.py``: the article's leak, reproduced and caught.
 """
 
@@ -24,8 +30,10 @@ import hmac
 import logging
 import time
 import tracemalloc
-from collections.abc import Callable
-from typing import Literal
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import ExitStack
+from typing import Any, Literal
 
 import torch
 import uvicorn
@@ -33,29 +41,32 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field, ValidationError
+from pydantic_settings import BaseSettings
 
-from chapters.ch02_fastapi_async.api import DisconnectCheck, Generated, create_app
-from chapters.ch04_memory_pool.server import PooledBackend
+from chapters.ch02_fastapi_async.api import Backend, DisconnectCheck, Generated, create_app
 from chapters.ch06_tuned_batching.server import TunedSettings, apply_tuned_config, build_backend
 from chapters.ch07_production.deadlines import TIMEOUT_HEADER, effective_timeout, until_disconnected, within_deadline
 from chapters.ch07_production.drain import DrainController, DrainingServer
-from chapters.ch07_production.health import ReadinessProbe, forward_probe
-from chapters.ch07_production.metrics import StateCollector, build_registry
+from chapters.ch07_production.health import ReadinessProbe, request_probe
+from chapters.ch07_production.metrics import StateCollector, StateReader, build_registry, pooled_state
 from chapters.ch07_production.model_registry import MODEL_VERSION_HEADER, ModelRegistry, ModelVersion
 from chapters.ch07_production.request_log import RequestContext, RequestObserver, configure_json_logging, current_request
 from shared.devices import choose_device, memory_snapshot, set_threads
 from shared.schemas import ApiError, ValidRequest
-from shared.settings import parse_settings
+from shared.settings import ServerSettings, parse_settings
 from shared.weights import LoadedModel, load_model
 
 log = logging.getLogger("chapters.ch07_production")
 
-# Builds one version's backend from its loaded model; tests pass one with a slow or failing runner.
-BackendFactory = Callable[[TunedSettings, LoadedModel], PooledBackend]
+# Builds one version's backend from the server's settings and its loaded model; chapter 7 passes
+# chapter 6's build_backend, chapter 8 its continuous backend, tests one with a slow or failing model.
+BackendFactory = Callable[[Any, LoadedModel], Backend]
 
 
-class ProductionSettings(TunedSettings):
-    """Chapter 6's knobs plus the production ones."""
+class ProductionOptions(BaseSettings):
+    """The production shell's knobs: drain, deadlines, readiness, hot reload, the leak lesson (any backend)."""
+
+    model_config = ServerSettings.model_config
 
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, wait this long for accepted requests before exiting")
     request_timeout_s: float = Field(60.0, gt=0, description="deadline of every request (504 past it); X-Request-Timeout-S may shorten it")
@@ -73,6 +84,10 @@ class ProductionSettings(TunedSettings):
         "off", description="keep a per-request intermediate tensor: leaky = the article's bug (failed requests keep it), fixed = released in finally")
 
 
+class ProductionSettings(ProductionOptions, TunedSettings):
+    """Chapter 6's knobs plus the production ones."""
+
+
 class LoadRequest(BaseModel):
     """The body of ``POST /admin/models``."""
 
@@ -85,9 +100,10 @@ class LoadRequest(BaseModel):
 class ProductionBackend:
     """Chapter 2's Backend protocol over model versions, with drain, deadlines and readiness."""
 
-    def __init__(self, settings: ProductionSettings, registry: ModelRegistry, first: ModelVersion,
-                 drain: DrainController, probe: ReadinessProbe) -> None:
+    def __init__(self, settings: ProductionOptions, registry: ModelRegistry, first: ModelVersion,
+                 drain: DrainController, probe: ReadinessProbe, chapter: str = "ch07") -> None:
         self.settings, self.registry, self.first, self.drain, self.probe = settings, registry, first, drain, probe
+        self.chapter = chapter
         config, model = first.loaded.config, first.loaded.model
         self.staging: dict[int, torch.Tensor] = {}  # per request in flight (see _generate_on)
         self.staging_shape, self.staging_device = (config.n_ctx, config.n_embd), model.device
@@ -145,7 +161,7 @@ class ProductionBackend:
             figures["python_traced_bytes"] = tracemalloc.get_traced_memory()[0]
         context.memory = {**(context.memory or {}), stage: figures}
 
-    async def _generate_on(self, backend: PooledBackend, request: ValidRequest, is_disconnected: DisconnectCheck,
+    async def _generate_on(self, backend: Backend, request: ValidRequest, is_disconnected: DisconnectCheck,
                            timeout_s: float) -> Generated:
         # A per-request intermediate on the model's device (here: the prompt's ids staged in a
         # context-sized buffer), kept in a table while the request is in flight so a memory report
@@ -167,16 +183,70 @@ class ProductionBackend:
             del self.staging[key]
         # EXERCISE ch07.4 END
 
-    async def _watched(self, backend: PooledBackend, request: ValidRequest, is_disconnected: DisconnectCheck,
+    async def _watched(self, backend: Backend, request: ValidRequest, is_disconnected: DisconnectCheck,
                        timeout_s: float) -> Generated:
         # The backend call, cancelled past its deadline (504) or when its client hangs up (499).
         watched = until_disconnected(backend.generate(request, is_disconnected), is_disconnected, self.settings.disconnect_poll_s)
         return await within_deadline(watched, timeout_s)
 
+    async def open_stream(self, request: ValidRequest) -> AsyncIterator[int | Generated]:
+        """Admit ``request`` on a streaming backend's newest version; its tokens, then the :class:`Generated`.
+
+        Admission happens here, before the caller starts its response, so a refusal (503 draining,
+        429, 404 version) is still an ordinary JSON error. The stream then holds the drain's count
+        and the version's, like :meth:`generate`; past the deadline it raises 504 between two
+        tokens. However it ends (finished, failed, deadline, the client gone and the response
+        cancelled), the backend's stream is closed (its sequence aborted, its blocks freed) and
+        both counts are given back.
+        """
+        context = current_request.get()
+        headers = context.headers if context is not None else {}
+        timeout_s = effective_timeout(self.settings.request_timeout_s, headers.get(TIMEOUT_HEADER.lower()))
+        with ExitStack() as held:
+            self.drain.enter()
+            held.callback(self.drain.exit)
+            version = self.registry.route(headers.get(MODEL_VERSION_HEADER.lower()))
+            backend = held.enter_context(version.use())
+            if not hasattr(backend, "open_stream"):
+                raise ApiError(422, "streaming_unsupported", f"model version {version.name} does not stream")
+            if context is not None:
+                context.model_version, context.input_tokens = version.name, len(request.input_ids)
+            inner = await backend.open_stream(request)
+            releases: list[Callable[[], object]] = []
+            stream = self._streamed(inner, releases, time.monotonic() + timeout_s, timeout_s, context)
+            # Given back when the stream ends, or when it is dropped without ever being read (a
+            # response cancelled before its first byte): a generator never started runs no finally.
+            releases.append(weakref.finalize(stream, held.pop_all().close))
+            return stream
+
+    async def _streamed(self, inner: AsyncIterator, releases: list[Callable[[], object]], deadline: float, timeout_s: float,
+                        context: RequestContext | None) -> AsyncIterator[int | Generated]:
+        try:
+            try:
+                while True:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise ApiError(504, "deadline_exceeded", f"the request did not finish within its deadline of {timeout_s:g} s")
+                    try:
+                        event = await asyncio.wait_for(anext(inner), remaining)
+                    except StopAsyncIteration:
+                        return
+                    except TimeoutError:
+                        raise ApiError(504, "deadline_exceeded", f"the request did not finish within its deadline of {timeout_s:g} s") from None
+                    if isinstance(event, Generated) and context is not None:
+                        context.output_tokens, context.timings_ms = len(event.output_ids), dict(event.timings_ms)
+                        context.backend_done = time.perf_counter()
+                    yield event
+            finally:
+                await inner.aclose()
+        finally:
+            for release in releases:
+                release()
+
     def health(self) -> dict:
         ready, reason = self.readiness()
         newest = self.registry.newest()
-        return {"chapter": "ch07", "model": newest.source if newest else None,
+        return {"chapter": self.chapter, "model": newest.source if newest else None,
                 "ready": ready, "reason": reason, "draining": self.drain.draining,
                 "versions": {v.name: {"source": v.source, "in_flight": v.in_flight, "retired": v.retired}
                              for v in self.registry.versions.values()}}
@@ -193,16 +263,21 @@ class ProductionBackend:
         await self.registry.close()
 
 
-def build_version(settings: ProductionSettings, name: str, weights: str, seed: int,
-                  backend_factory: BackendFactory = build_backend) -> ModelVersion:
-    """Load ``weights`` and build chapter 6's backend for it (blocking: run it off the event loop)."""
+def build_version(settings: ServerSettings, name: str, weights: str, seed: int, backend_factory: BackendFactory = build_backend) -> ModelVersion:
+    """Load ``weights`` and build its backend with ``backend_factory`` (blocking: run it off the event loop)."""
     loaded = load_model(weights, settings.preset, choose_device(settings.device), settings.torch_dtype, seed=seed)
     return ModelVersion(name, loaded, backend_factory(settings, loaded))
 
 
 def build_app(settings: ProductionSettings, backend_factory: BackendFactory = build_backend,
-              probe: Callable[[], None] | None = None) -> FastAPI:
-    """The server. ``backend_factory`` builds each version's backend; ``probe`` replaces the readiness probe."""
+              probe: Callable[[], Awaitable[None]] | None = None, read_state: StateReader = pooled_state,
+              title: str = "ch07 production", chapter: str = "ch07") -> FastAPI:
+    """The server: the production shell around the backends ``backend_factory`` builds, one per model version.
+
+    ``settings`` needs chapter 2's knobs and :class:`ProductionOptions` (and whatever the factory
+    reads); ``read_state`` turns a backend into the numbers ``/metrics`` reports; ``probe`` replaces
+    the readiness probe (a real request through the newest version's backend).
+    """
     set_threads(settings.torch_threads)
     if settings.memory_snapshots and not tracemalloc.is_tracing():
         tracemalloc.start()  # costs every allocation some time: only behind the flag
@@ -211,19 +286,19 @@ def build_app(settings: ProductionSettings, backend_factory: BackendFactory = bu
     registry = ModelRegistry(settings.max_unload_wait_s)
     drain = DrainController(settings.drain_timeout_s)
 
-    def probe_newest() -> None:
+    def newest_backend() -> Backend:
         newest = registry.newest()
-        if newest is None or newest.loaded is None:
+        if newest is None or newest.backend is None:
             raise RuntimeError("no model version is loaded")
-        forward_probe(newest.loaded.model, newest.loaded.tokenizer.pad_id)()
+        return newest.backend
 
-    readiness = ReadinessProbe(probe or probe_newest, settings.probe_interval_s, settings.probe_timeout_s)
-    backend = ProductionBackend(settings, registry, first, drain, readiness)
-    app = create_app(title="ch07 production", limits=limits, tokenizer=first.loaded.tokenizer, backend=backend)
+    readiness = ReadinessProbe(probe or request_probe(newest_backend), settings.probe_interval_s, settings.probe_timeout_s)
+    backend = ProductionBackend(settings, registry, first, drain, readiness, chapter)
+    app = create_app(title=title, limits=limits, tokenizer=first.loaded.tokenizer, backend=backend)
     device = first.loaded.model.device
 
     def serving() -> list[tuple]:
-        return [(v.name, v.source, v.backend, v.in_flight) for v in list(registry.versions.values()) if v.backend is not None]
+        return [(v.name, v.source, read_state(v.backend), v.in_flight) for v in list(registry.versions.values()) if v.backend is not None]
 
     metrics_registry, request_metrics = build_registry(
         StateCollector(serving, lambda: device, lambda: backend.readiness()[0]))
@@ -231,6 +306,8 @@ def build_app(settings: ProductionSettings, backend_factory: BackendFactory = bu
     app.state.production = backend
     app.state.drain = drain
     app.state.registry = registry
+    app.state.metrics_registry = metrics_registry
+    app.state.limits, app.state.tokenizer, app.state.first_source = limits, first.loaded.tokenizer, first.source
 
     @app.get("/livez")
     async def livez() -> dict:
@@ -282,10 +359,10 @@ def build_app(settings: ProductionSettings, backend_factory: BackendFactory = bu
     return app
 
 
-def main(argv: list[str] | None = None) -> None:
-    settings = apply_tuned_config(parse_settings(ProductionSettings, argv, prog="python -m chapters.ch07_production"))
-    configure_json_logging(settings.log_level)
-    app = build_app(settings)
+def serve(app: FastAPI, settings: ServerSettings) -> None:
+    """Run ``app`` (one built by :func:`build_app`) with uvicorn until SIGTERM, then drain it.
+
+    ``settings`` are the server's: chapter 2's knobs and :class:`ProductionOptions`."""
     # Keep idle connections longer than the load balancer or client pool in front does (commonly
     # 60 s): a server that closes first races a client reusing the connection, which sees a reset.
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
@@ -295,6 +372,12 @@ def main(argv: list[str] | None = None) -> None:
     server.run()
     if server.drain_report is not None and server.drain_report.cut_off:
         log.warning("exited with %d requests cut off by the drain timeout", server.drain_report.cut_off)
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings = apply_tuned_config(parse_settings(ProductionSettings, argv, prog="python -m chapters.ch07_production"))
+    configure_json_logging(settings.log_level)
+    serve(build_app(settings), settings)
 
 
 if __name__ == "__main__":

@@ -25,8 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
 
-from chapters.ch02_fastapi_async.api import read_body
-from chapters.ch08_continuous_batching.engine import Finished, RequestStream
+from chapters.ch02_fastapi_async.api import Generated, read_body
 from chapters.ch08_continuous_batching.streaming import SSE_HEADERS, TextDelta, sse
 from shared.schemas import ApiError, ContractLimits, ValidRequest, check_limits
 from shared.tokenizer import Tokenizer
@@ -53,7 +52,7 @@ class CompletionRequest(BaseModel):
 
 
 class CompletionsApi:
-    """The two routes, over any backend with ``open(ValidRequest) -> RequestStream`` and ``cancel``."""
+    """The two routes, over any backend with chapter 2's ``generate`` and an ``open_stream``."""
 
     def __init__(self, backend, tokenizer: Tokenizer, limits: ContractLimits, model_name: str) -> None:
         self.backend, self.tokenizer, self.limits, self.model_name = backend, tokenizer, limits, model_name
@@ -95,34 +94,35 @@ class CompletionsApi:
     async def completions(self, request: Request):
         body = await read_body(request, self.limits.max_body_bytes)
         completion, valid = self.parse(body)
-        stream = self.backend.open(valid)
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": self.model_name}
         if completion.stream:
             include_usage = bool(completion.stream_options and completion.stream_options.include_usage)
+            tokens = await self.backend.open_stream(valid)  # admission now: a refusal is still a JSON error
             return StreamingResponse(
-                self._chunks(stream, meta, len(valid.input_ids), include_usage), media_type="text/event-stream", headers=SSE_HEADERS
+                self._chunks(tokens, meta, len(valid.input_ids), include_usage), media_type="text/event-stream", headers=SSE_HEADERS
             )
-        finished = await self.backend.wait(stream, request.is_disconnected)
+        result = await self.backend.generate(valid, request.is_disconnected)
         return JSONResponse({
             **meta,
-            "choices": [{"text": self.tokenizer.decode(finished.output_ids), "index": 0, "logprobs": None, "finish_reason": "length"}],
-            "usage": _usage(len(valid.input_ids), len(finished.output_ids)),
+            "choices": [{"text": self.tokenizer.decode(result.output_ids), "index": 0, "logprobs": None, "finish_reason": "length"}],
+            "usage": _usage(len(valid.input_ids), len(result.output_ids)),
         })
 
-    async def _chunks(self, stream: RequestStream, meta: dict, prompt_tokens: int, include_usage: bool) -> AsyncIterator[bytes]:
+    async def _chunks(self, tokens: AsyncIterator[int | Generated], meta: dict, prompt_tokens: int, include_usage: bool) -> AsyncIterator[bytes]:
         text = TextDelta(self.tokenizer)
-        async with self.backend.streaming(stream):
-            async for event in stream.tokens():
-                if isinstance(event, Finished):
-                    if event.error is not None:
-                        yield sse(event.error.body())  # the client raises APIError from an "error" payload
-                        return
-                    yield sse({**meta, "choices": [_choice(text.flush(), "length")]})
-                    if include_usage:
-                        yield sse({**meta, "choices": [], "usage": _usage(prompt_tokens, len(event.output_ids))})
-                    yield sse("[DONE]")
-                    return
-                yield sse({**meta, "choices": [_choice(text.add(event), None)]})
+        try:
+            async for event in tokens:
+                if not isinstance(event, Generated):
+                    yield sse({**meta, "choices": [_choice(text.add(event), None)]})
+                    continue
+                yield sse({**meta, "choices": [_choice(text.flush(), "length")]})
+                if include_usage:
+                    yield sse({**meta, "choices": [], "usage": _usage(prompt_tokens, len(event.output_ids))})
+                yield sse("[DONE]")
+        except ApiError as error:
+            yield sse(error.body())  # the client raises APIError from an "error" payload
+        finally:
+            await tokens.aclose()
 
 
 def _choice(text: str, finish_reason: str | None) -> dict:

@@ -38,7 +38,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-import torch
 from torch import Tensor
 
 from chapters.ch08_continuous_batching.block_manager import OutOfBlocks
@@ -68,7 +67,6 @@ class Sequence:
     prompt_ids: list[int]
     max_new_tokens: int
     arrived: float = field(default_factory=time.perf_counter)
-    deadline: float | None = None  # on the same clock as ``arrived``; past it the engine aborts the sequence
     seq_id: int = field(default_factory=lambda: next(_ids))
     token_ids: list[int] = field(init=False)
     num_computed: int = 0

@@ -1,12 +1,13 @@
-"""The engine thread: chapter 3's step loop turned by ONE dedicated thread, fed from the event loop.
+"""The step thread: chapter 3's step loop turned by ONE dedicated thread, fed from the event loop.
 
-The event loop never computes and the engine thread never touches asyncio objects directly:
+The event loop never computes and the step thread never touches asyncio objects directly:
 
-- the loop hands work over with :meth:`EngineLoop.submit` and :meth:`EngineLoop.cancel`, which put
-  it in an inbox under a lock and wake the thread (a condition variable: an idle engine sleeps, it
+- the loop hands work over with :meth:`StepThread.submit` and :meth:`StepThread.cancel`, which put
+  it in an inbox under a lock and wake the thread (a condition variable: an idle step thread sleeps, it
   does not poll);
-- between two steps the thread moves the inbox into the scheduler, aborts what was cancelled or is
-  past its deadline (its blocks are free before the next step is planned), and turns chapter 3's
+- between two steps the thread moves the inbox into the scheduler, aborts what was cancelled (a
+  client gone, a deadline passed: chapter 7's shell decides; the blocks are free before the next
+  step is planned), and turns chapter 3's
   loop once (schedule, execute, update), timing each phase (:class:`StepClock`: the scheduler's own
   cost must stay small and visible);
 - what a step produced (new tokens, finished sequences) is handed back to the loop in ONE
@@ -22,7 +23,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 
@@ -67,7 +68,7 @@ class RequestStream:
 
 
 class _StepListener:
-    """Collects a step's tokens and endings in the engine thread; flushed to the loop once per step."""
+    """Collects a step's tokens and endings in the step thread; flushed to the loop once per step."""
 
     def __init__(self) -> None:
         self.tokens: dict[Sequence, list[int]] = {}
@@ -111,11 +112,13 @@ class StepClock:
     def __init__(self, keep: int = 256) -> None:
         self.totals_s = dict.fromkeys(self.PHASES, 0.0)
         self.recent: deque[StepRecord] = deque(maxlen=keep)
+        self.decode_rows: Counter[int] = Counter()  # every step so far: decode rows -> steps
 
     def record(self, record: StepRecord) -> None:
         for phase in self.PHASES:
             self.totals_s[phase] += getattr(record, f"{phase}_ms") / 1e3
         self.recent.append(record)
+        self.decode_rows[record.decode_rows] += 1
 
     def describe(self) -> dict:
         total = sum(self.totals_s.values())
@@ -126,7 +129,7 @@ class StepClock:
         }
 
 
-class EngineLoop:
+class StepThread:
     """Owns the scheduler and the model runner; everything that changes them runs in its one thread."""
 
     def __init__(self, runner: ModelRunner, scheduler: ContinuousScheduler) -> None:
@@ -144,7 +147,7 @@ class EngineLoop:
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="step-thread", daemon=True)
         self._thread.start()
 
     def submit(self, seq: Sequence) -> RequestStream:
@@ -189,7 +192,6 @@ class EngineLoop:
             for seq, error in cancels:
                 if scheduler.abort(seq):
                     self._listener.end(seq, error)
-            self._abort_expired()
             try:
                 self.step()
             except Exception as exc:  # noqa: BLE001 - one failed step must not stop the server
@@ -215,12 +217,6 @@ class EngineLoop:
             prepare_ms=self.runner.last_prepare_s * 1e3, model_ms=self.runner.last_model_s * 1e3,
             update_ms=(done - executed) * 1e3,
         ))
-
-    def _abort_expired(self) -> None:
-        now = time.perf_counter()
-        for seq in [*self.scheduler.waiting, *self.scheduler.running]:
-            if seq.deadline is not None and now >= seq.deadline and self.scheduler.abort(seq):
-                self._listener.end(seq, ApiError(504, "deadline_exceeded", "the request passed its deadline"))
 
     def _fail_running(self, exc: Exception) -> None:
         for seq in list(self.scheduler.running):

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Chapter 8 inside chapter 7's shell against chapter 8 without it (the commit before the shell),
+# 64 users, default workload, two interleaved rounds, both servers at their defaults, client and
+# server on the machine's cores unpinned (as the side-by-side rounds). Run from the repository root:
+#   bash benchmarks/reference/cpu/ch08/shell/measure.sh [BEFORE_COMMIT]
+set -euo pipefail
+before=${1:-d3828f7}
+out=benchmarks/reference/cpu/ch08/shell
+tree=$(mktemp -d)
+git worktree add -q --detach "$tree" "$before"
+cleanup() { kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; git worktree remove --force "$tree"; }
+pids=()
+trap cleanup EXIT
+(cd "$tree" && exec python -m chapters.ch08_continuous_batching --port 8101 --log-level warning) & pids+=($!)
+python -m chapters.ch08_continuous_batching --port 8102 --log-level warning & pids+=($!)
+for port in 8101 8102; do
+  until curl -sf "http://127.0.0.1:$port/healthz" >/dev/null; do sleep 1; done
+done
+until curl -sf http://127.0.0.1:8102/readyz >/dev/null; do sleep 1; done
+for round in 1 2; do
+  python -m benchmarks.streaming run --url http://127.0.0.1:8101 --users 64 --duration-s 30 --workload default \
+      --out "$out/without-shell-round$round.json" >/dev/null
+  python -m benchmarks.streaming run --url http://127.0.0.1:8102 --users 64 --duration-s 30 --workload default \
+      --out "$out/in-shell-round$round.json" >/dev/null
+done
+python - "$out" "$before" <<'PY'
+import json, statistics, sys
+from pathlib import Path
+out, before = Path(sys.argv[1]), sys.argv[2]
+runs = {kind: [json.loads(p.read_text()) for p in sorted(out.glob(f"{kind}-round*.json"))] for kind in ("without-shell", "in-shell")}
+qps = {kind: statistics.median(r["qps"] for r in rs) for kind, rs in runs.items()}
+p99 = {kind: statistics.median(r["e2e_ms"]["p99"] for r in rs) for kind, rs in runs.items()}
+lines = [f"chapter 8 without the shell (commit {before}) against chapter 8 in chapter 7's shell, 64 users, default workload, "
+         f"median of {len(runs['in-shell'])} interleaved rounds",
+         f"QPS: without {qps['without-shell']:.1f}, in shell {qps['in-shell']:.1f}, ratio {qps['in-shell'] / qps['without-shell']:.3f}",
+         f"P99 (ms): without {p99['without-shell']:.0f}, in shell {p99['in-shell']:.0f}, ratio {p99['in-shell'] / p99['without-shell']:.3f}"]
+(out / "summary.txt").write_text("\n".join(lines) + "\n")
+print("\n".join(lines))
+PY

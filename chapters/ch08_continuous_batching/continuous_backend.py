@@ -1,0 +1,149 @@
+"""Chapter 2's ``Backend`` over the step thread, which also streams: what chapter 7's shell wraps.
+
+The backend does three things and nothing else:
+
+1. **admits** a request with chapter 4's :class:`~chapters.ch04_memory_pool.admission.AdmissionController`
+   (queue while fewer than ``max_queue`` wait, else 429 with its estimated ``Retry-After``; no
+   fallback path: a continuous batcher has no batch to wait for);
+2. hands it to the step thread as a :class:`~chapters.ch08_continuous_batching.scheduler.Sequence`;
+3. gives back its tokens, one by one (:meth:`ContinuousBackend.open_stream`) or all at once
+   (:meth:`ContinuousBackend.generate`).
+
+Everything around a request (draining, deadlines, disconnects, versions, readiness, metrics) is
+chapter 7's shell. When the shell cancels a request (its client left, its deadline passed) the
+sequence is aborted between two steps and its blocks go back before the next step is planned.
+
+A request's accounting (in flight, the admission's figures) ends when its sequence ends, which the
+step thread always reports, never when a reader stops reading: a stream nobody reads still finishes,
+and its count comes back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+
+from chapters.ch02_fastapi_async.api import DisconnectCheck, Generated
+from chapters.ch03_dynamic_batching.batcher import ClientDisconnected
+from chapters.ch04_memory_pool.admission import AdmissionConfig, AdmissionController
+from chapters.ch07_production.metrics import BackendState
+from chapters.ch08_continuous_batching.step_thread import StepThread, Finished, RequestStream
+from chapters.ch08_continuous_batching.continuous_metrics import TokenLatencies
+from chapters.ch08_continuous_batching.scheduler import Sequence
+from shared.schemas import ValidRequest
+
+
+class ContinuousBackend:
+    """Admission, the step thread and each request's token stream (chapter 2's Backend, plus ``open_stream``)."""
+
+    def __init__(self, step_thread: StepThread, max_queue: int, description: dict) -> None:
+        self.step_thread = step_thread
+        self.description = description
+        manager = step_thread.scheduler.manager
+        # Waiting, for admission: accepted beyond the max_num_seqs that can run at once. It is what
+        # the scheduler will make wait, known at arrival on the event loop without asking the
+        # step thread (which may not have moved the newest arrivals into its queues yet).
+        max_num_seqs = step_thread.scheduler.config.max_num_seqs
+        self.admission = AdmissionController(
+            AdmissionConfig(max_waiting=max_queue, fallback_slots=0),
+            waiting=lambda: max(0, self.in_flight - max_num_seqs),
+            pool_use=lambda: 1.0 - manager.free_blocks / manager.total_blocks,
+        )
+        self.in_flight = 0
+        self.cancelled = 0
+        self.latencies = TokenLatencies()  # TTFT and TPOT of finished requests, for /metrics
+
+    async def start(self) -> None:
+        self.step_thread.start(asyncio.get_running_loop())
+
+    def _submit(self, request: ValidRequest) -> RequestStream:
+        """Admit ``request`` (or raise 429) and hand it to the step thread."""
+        self.admission.admit()
+        arrived = time.perf_counter()
+        stream = self.step_thread.submit(Sequence(list(request.input_ids), request.max_new_tokens, arrived=arrived))
+        self.in_flight += 1
+
+        def ended(result: asyncio.Future) -> None:
+            self.in_flight -= 1
+            self.admission.finished(time.perf_counter() - arrived)
+            finished = result.result()
+            if finished.error is None:
+                self.latencies.observe(finished.timings_ms, len(finished.output_ids))
+
+        stream.result.add_done_callback(ended)
+        return stream
+
+    def _cancel(self, stream: RequestStream) -> None:
+        """Abort the sequence (its blocks are free after the current step); nothing if it already ended."""
+        if not stream.result.done():
+            self.cancelled += 1
+            self.step_thread.cancel(stream.seq, ClientDisconnected())
+
+    async def generate(self, request: ValidRequest, is_disconnected: DisconnectCheck) -> Generated:
+        # A client already gone is never computed (chapter 3's promise); one that leaves later is
+        # noticed by the shell, which cancels this call.
+        if await is_disconnected():
+            raise ClientDisconnected()
+        stream = self._submit(request)
+        try:
+            finished = await asyncio.shield(stream.result)
+        except asyncio.CancelledError:
+            self._cancel(stream)
+            raise
+        if finished.error is not None:
+            raise finished.error
+        return Generated(finished.output_ids, finished.timings_ms)
+
+    async def open_stream(self, request: ValidRequest) -> AsyncIterator[int | Generated]:
+        """Admit ``request`` now (429 here, before any response starts); then its tokens, then a :class:`Generated`.
+
+        An error after admission (a failed step: 500) is raised from the iteration. Closing the
+        iterator early aborts the sequence.
+        """
+        return self._events(self._submit(request))
+
+    async def _events(self, stream: RequestStream) -> AsyncIterator[int | Generated]:
+        try:
+            async for event in stream.tokens():
+                if not isinstance(event, Finished):
+                    yield event
+                elif event.error is not None:
+                    raise event.error
+                else:
+                    yield Generated(event.output_ids, event.timings_ms)
+        finally:
+            self._cancel(stream)
+
+    def health(self) -> dict:
+        return dict(self.description)
+
+    def stats(self) -> dict:
+        return {
+            **self.description,
+            "in_flight": self.in_flight,
+            "cancelled": self.cancelled,
+            "admission": self.admission.stats(),
+            "failed_steps": self.step_thread.failed_steps,
+            "scheduler": self.step_thread.scheduler.describe(),
+            "steps": self.step_thread.clock.describe(),
+        }
+
+    async def close(self) -> None:
+        # The shell has drained: what was accepted is answered. Stop the thread after its last step.
+        await asyncio.to_thread(self.step_thread.stop)
+
+
+def continuous_state(backend: ContinuousBackend) -> BackendState:
+    """What chapter 7's ``/metrics`` reads: waiting sequences, KV blocks as bytes, decode rows per step."""
+    scheduler = backend.step_thread.scheduler
+    manager, store = scheduler.manager, scheduler.store
+    block_bytes = store.pool.bytes_per_block
+    rows = Counter(dict.copy(backend.step_thread.clock.decode_rows))  # dict.copy is one step under the GIL: the step thread adds to it
+    return BackendState(
+        waiting=max(0, backend.in_flight - len(scheduler.running)),
+        kv_bytes_total=manager.total_blocks * block_bytes,
+        kv_bytes_used=(manager.total_blocks - manager.free_blocks) * block_bytes,
+        batch_sizes=rows,
+    )

@@ -1,0 +1,101 @@
+"""What a continuous batcher adds to chapter 7's ``/metrics``: token latencies, the step loop, the blocks.
+
+Chapter 7's series describe requests (latency, status, stages) and a backend's state in general
+(waiting, KV bytes, batch sizes). A continuous batcher is judged by more: how soon the first token
+comes (TTFT) and how fast the others follow (TPOT, time per output token after the first), how many
+sequences run and wait, how its KV blocks are used, how often memory ran out and a sequence was
+preempted, how many tokens each step computes. All of it is read at scrape time, as chapter 7 does:
+the step thread's counters (:class:`~chapters.ch08_continuous_batching.scheduler.SchedulerStats`)
+and the latencies each backend tallies when a request ends (:class:`TokenLatencies`).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterable
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)  # seconds
+TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)  # seconds per token
+
+SERIES = (
+    "inference_time_to_first_token_seconds", "inference_time_per_output_token_seconds", "inference_sequences",
+    "inference_kv_blocks", "inference_preemptions", "inference_steps", "inference_step_tokens",
+)
+
+
+class LatencyTally:
+    """A histogram's bucket counts and sum, filled on the event loop, read by the collector."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one: above every bound
+        self.total = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
+        self.total += seconds
+
+
+def histogram_family(name: str, documentation: str, labels: list[str],
+                     tallies: Iterable[tuple[list[str], LatencyTally]]) -> HistogramMetricFamily:
+    """One Prometheus histogram, a series per label values, from tallies' counts (made cumulative here)."""
+    family = HistogramMetricFamily(name, documentation, labels=labels)
+    for values, tally in tallies:
+        cumulative, buckets = 0, []
+        for bound, count in zip((*tally.bounds, float("inf")), tally.counts):
+            cumulative += count
+            buckets.append(("+Inf" if bound == float("inf") else str(bound), cumulative))
+        family.add_metric(values, buckets, sum_value=tally.total)
+    return family
+
+
+class TokenLatencies:
+    """TTFT and TPOT of the requests a backend finished, for ``/metrics``."""
+
+    def __init__(self) -> None:
+        self.ttft = LatencyTally(TTFT_BUCKETS)
+        self.tpot = LatencyTally(TPOT_BUCKETS)
+
+    def observe(self, timings_ms: dict[str, float], output_tokens: int) -> None:
+        if "ttft" in timings_ms:
+            self.ttft.observe(timings_ms["ttft"] / 1e3)
+        if output_tokens > 1 and "decode" in timings_ms:
+            self.tpot.observe(timings_ms["decode"] / 1e3 / (output_tokens - 1))
+
+
+class ContinuousCollector(Collector):
+    """Reads each loaded version's continuous backend at scrape time; ``versions`` yields ``(name, backend)``."""
+
+    def __init__(self, versions: Callable[[], Iterable[tuple[str, object]]]) -> None:
+        self.versions = versions
+
+    def collect(self):
+        loaded = list(self.versions())
+        sequences = GaugeMetricFamily("inference_sequences", "sequences running in the step loop, and waiting for a place",
+                                      labels=["version", "state"])
+        blocks = GaugeMetricFamily("inference_kv_blocks", "KV blocks of the paged pool, used and free", labels=["version", "state"])
+        preemptions = CounterMetricFamily("inference_preemptions", "sequences preempted (blocks taken back, recomputed later)",
+                                          labels=["version"])
+        steps = CounterMetricFamily("inference_steps", "steps of the step loop", labels=["version"])
+        tokens = CounterMetricFamily("inference_step_tokens", "tokens computed by the steps (rate over inference_steps: tokens per step)",
+                                     labels=["version", "kind"])
+        for name, backend in loaded:
+            scheduler = backend.step_thread.scheduler
+            stats, manager = scheduler.stats, scheduler.manager
+            sequences.add_metric([name, "running"], len(scheduler.running))
+            sequences.add_metric([name, "waiting"], max(0, backend.in_flight - len(scheduler.running)))
+            blocks.add_metric([name, "used"], manager.used_blocks)
+            blocks.add_metric([name, "free"], manager.free_blocks)
+            preemptions.add_metric([name], stats.preemptions)
+            steps.add_metric([name], stats.steps)
+            tokens.add_metric([name, "prefill"], stats.prefill_tokens)
+            tokens.add_metric([name, "decode"], stats.decode_tokens)
+        yield from (sequences, blocks, preemptions, steps, tokens)
+        yield histogram_family("inference_time_to_first_token_seconds", "from arrival to the first token (successful requests)",
+                                  ["version"], (([name], backend.latencies.ttft) for name, backend in loaded))
+        yield histogram_family("inference_time_per_output_token_seconds",
+                                  "decode time over the tokens after the first (successful requests of two tokens or more)",
+                                  ["version"], (([name], backend.latencies.tpot) for name, backend in loaded))
