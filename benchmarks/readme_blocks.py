@@ -269,36 +269,54 @@ def packed_step_profile_block(directory: Path) -> str:
 def side_by_side_block(directory: Path) -> str:
     """Chapter 6 against chapter 8, several rounds of ``benchmarks.streaming compare`` (``<dir>/ch08/side-by-side/*.json``):
     the median of the rounds per chapter, and chapter 8's over chapter 6's."""
+    return chapter_pair_block(directory / "ch08" / "side-by-side", "ch06", "ch08", (
+        ". Both servers at their defaults (chapter 5's engine by its rule, chapter 8's attention by its rule); "
+        "client and server share the machine's two cores unpinned. P99 is of the whole answer; chapter 8 streams."))
+
+
+def deploy_block(directory: Path) -> str:
+    """Chapter 7 against chapter 8 at the same load (``<dir>/ch08/deploy/*.json``): the two servers one would deploy."""
+    return chapter_pair_block(directory / "ch08" / "deploy", "ch07", "ch08", (
+        ". Both servers at their defaults, each inside chapter 7's production shell; client and server share the "
+        "machine's two cores unpinned. QPS: answers per second; P99: of the whole answer (ms); TTFT: time to the first "
+        "token (ms; chapter 7 answers all at once, so its TTFT is its whole answer); chapter 8 streams."))
+
+
+def chapter_pair_block(folder: Path, base: str, other: str, note: str) -> str:
+    """Two chapters measured in the same rounds of ``benchmarks.streaming compare`` (one JSON file per round in
+    ``folder``): per workload and load, the median of the rounds per chapter and ``other``'s over ``base``'s."""
     import json
     import statistics
 
-    files = sorted((directory / "ch08" / "side-by-side").glob("*.json")) if (directory / "ch08").exists() else []
+    files = sorted(folder.glob("*.json")) if folder.exists() else []
     if not files:
-        return f"*No side-by-side rounds yet: `python -m benchmarks.streaming compare ... --out {_repo_path(directory)}/ch08/side-by-side/NAME.json`.*"
+        return (f"*No rounds yet: `python -m benchmarks.streaming compare --chapters {base} {other} ... "
+                f"--out {_repo_path(folder)}/NAME.json`.*")
     groups: dict[tuple[str, int], list[dict]] = {}
     for path in files:
         run = json.loads(path.read_text())
         groups.setdefault((run["workload"], run["users"]), []).append(run)
-    lines = ["| workload | users | rounds | ch06 QPS | ch08 QPS | ch08 / ch06 | ch06 P99 (ms) | ch08 P99 (ms) | ch08 / ch06 P99 | ch08 TTFT P99 (ms) | errors |",
+    lines = [f"| workload | users | rounds | {base} QPS | {other} QPS | {other} / {base} | {base} P99 (ms) | {other} P99 (ms) "
+             f"| {other} / {base} P99 | {other} TTFT P99 (ms) | errors |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for (workload, users), runs in sorted(groups.items()):
         def median(chapter: str, pick) -> float:
             return statistics.median(pick(run["chapters"][chapter]) for run in runs)
-        qps6, qps8 = median("ch06", lambda f: f["qps"]), median("ch08", lambda f: f["qps"])
-        p99_6, p99_8 = median("ch06", lambda f: f["e2e_ms"]["p99"]), median("ch08", lambda f: f["e2e_ms"]["p99"])
-        ttft8 = median("ch08", lambda f: f["ttft_ms"]["p99"])
+        qps_base, qps_other = median(base, lambda f: f["qps"]), median(other, lambda f: f["qps"])
+        p99_base, p99_other = median(base, lambda f: f["e2e_ms"]["p99"]), median(other, lambda f: f["e2e_ms"]["p99"])
+        ttft = median(other, lambda f: f["ttft_ms"]["p99"])
         errors = sum(sum(f["errors"].values()) for run in runs for f in run["chapters"].values())
-        lines.append(f"| {workload} | {users} | {len(runs)} | {qps6:.1f} | {qps8:.1f} | {qps8 / qps6:.2f}× | {p99_6:,.0f} | {p99_8:,.0f} "
-                     f"| {p99_8 / p99_6:.2f}× | {ttft8:,.0f} | {errors} |")
+        lines.append(f"| {workload} | {users} | {len(runs)} | {qps_base:.1f} | {qps_other:.1f} | {qps_other / qps_base:.2f}× "
+                     f"| {p99_base:,.0f} | {p99_other:,.0f} | {p99_other / p99_base:.2f}× | {ttft:,.0f} | {errors} |")
     commands = sorted({f"`{json.loads(path.read_text())['command']}`" for path in files})
-    return "\n".join(lines) + "\n\nReproduce (one file per round; the rounds alternate workloads): " + "; ".join(commands) + (
-        ". Both servers at their defaults (chapter 5's engine by its rule, chapter 8's attention by its rule); "
-        "client and server share the machine's two cores unpinned. P99 is of the whole answer; chapter 8 streams.")
+    return "\n".join(lines) + "\n\nReproduce (one file per round; the rounds alternate workloads): " + "; ".join(commands) + note
 
 
 def render_key(key: str, results: Mapping[str, BenchmarkResult], directory: Path, readme: Path, profile: str) -> str:
     if key == "side-by-side":
         return side_by_side_block(directory)
+    if key == "deploy":
+        return deploy_block(directory)
     if key == "packed-step-profile":
         return packed_step_profile_block(directory)
     if key == "kv-share":

@@ -213,7 +213,7 @@ class ProductionBackend:
                 context.model_version, context.input_tokens = version.name, len(request.input_ids)
             inner = await backend.open_stream(request)
             releases: list[Callable[[], object]] = []
-            stream = self._streamed(inner, releases, time.monotonic() + timeout_s, timeout_s, context)
+            stream = self._streamed(inner, releases, asyncio.get_running_loop().time() + timeout_s, timeout_s, context)
             # Given back when the stream ends, or when it is dropped without ever being read (a
             # response cancelled before its first byte): a generator never started runs no finally.
             releases.append(weakref.finalize(stream, held.pop_all().close))
@@ -221,14 +221,15 @@ class ProductionBackend:
 
     async def _streamed(self, inner: AsyncIterator, releases: list[Callable[[], object]], deadline: float, timeout_s: float,
                         context: RequestContext | None) -> AsyncIterator[int | Generated]:
+        """``inner``'s events until ``deadline`` (the event loop's clock), then 504; the counts given back at the end."""
         try:
             try:
                 while True:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise ApiError(504, "deadline_exceeded", f"the request did not finish within its deadline of {timeout_s:g} s")
                     try:
-                        event = await asyncio.wait_for(anext(inner), remaining)
+                        # A timer around each wait for the next token (not a task per token, as
+                        # wait_for would make): one call_at per token, on the event loop's clock.
+                        async with asyncio.timeout_at(deadline):
+                            event = await anext(inner)
                     except StopAsyncIteration:
                         return
                     except TimeoutError:

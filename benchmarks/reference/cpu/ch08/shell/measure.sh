@@ -11,12 +11,15 @@ git worktree add -q --detach "$tree" "$before"
 cleanup() { kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; git worktree remove --force "$tree"; }
 pids=()
 trap cleanup EXIT
+# One after the other: each measures its rules at start-up (engine, bf16 crossover, attention),
+# and two servers measuring at once would each see the other's load.
 (cd "$tree" && exec python -m chapters.ch08_continuous_batching --port 8101 --log-level warning) & pids+=($!)
+until curl -sf http://127.0.0.1:8101/healthz >/dev/null; do sleep 1; done
 python -m chapters.ch08_continuous_batching --port 8102 --log-level warning & pids+=($!)
-for port in 8101 8102; do
-  until curl -sf "http://127.0.0.1:$port/healthz" >/dev/null; do sleep 1; done
-done
 until curl -sf http://127.0.0.1:8102/readyz >/dev/null; do sleep 1; done
+# What each server chose at start-up (engine, attention, KV cache dtype), beside the figures.
+curl -sf http://127.0.0.1:8101/healthz > "$out/without-shell-healthz.json"
+curl -sf http://127.0.0.1:8102/healthz > "$out/in-shell-healthz.json"
 for round in 1 2; do
   python -m benchmarks.streaming run --url http://127.0.0.1:8101 --users 64 --duration-s 30 --workload default \
       --out "$out/without-shell-round$round.json" >/dev/null
