@@ -248,6 +248,7 @@ class ProductionBackend:
         ready, reason = self.readiness()
         newest = self.registry.newest()
         return {"chapter": self.chapter, "model": newest.source if newest else None,
+                "backend": newest.backend.health() if newest is not None and newest.backend is not None else None,
                 "ready": ready, "reason": reason, "draining": self.drain.draining,
                 "versions": {v.name: {"source": v.source, "in_flight": v.in_flight, "retired": v.retired}
                              for v in self.registry.versions.values()}}

@@ -19,7 +19,7 @@ python -m chapters.ch08_continuous_batching --port 8102 --log-level warning & pi
 until curl -sf http://127.0.0.1:8102/readyz >/dev/null; do sleep 1; done
 # What each server chose at start-up (engine, attention, KV cache dtype), beside the figures.
 curl -sf http://127.0.0.1:8101/healthz > "$out/without-shell-healthz.json"
-curl -sf http://127.0.0.1:8102/healthz > "$out/in-shell-healthz.json"
+curl -sf http://127.0.0.1:8102/healthz > "$out/in-shell-healthz.json"  # the shell's: the backend's under "backend"
 for round in 1 2; do
   python -m benchmarks.streaming run --url http://127.0.0.1:8101 --users 64 --duration-s 30 --workload default \
       --out "$out/without-shell-round$round.json" >/dev/null
