@@ -153,7 +153,7 @@ def climb_block(results: Mapping[str, BenchmarkResult], directory: Path, readme:
     images = [
         f"![{alt}]({_relative(directory / name, readme)})"
         for name, alt in ((climb_png, "QPS and P99 per chapter, beside the article's"),
-                          (latency_png, "P50 and P99 against load, knees circled"),
+                          (latency_png, "P50 and P99 against load, saturation circled"),
                           ("openloop.png", "open loop: achieved rate, P99 and goodput against the offered rate"))
         if (directory / name).exists()
     ]

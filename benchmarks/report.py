@@ -11,8 +11,11 @@ Definitions used throughout:
 - *P99 at the top load*: the P99 at the highest concurrency measured, the same load for every chapter
   of a profile. The climb plot draws this one: a saturation P99 would compare a chapter that is
   saturated at one user (ch01) at one user with the others at 64.
-- *knee* (:func:`find_knee`): the highest load before the first level at which P99 exceeds twice
-  its value at the lowest load, or QPS stops growing (gains less than 10 % over the level below).
+- *saturation* (:func:`find_knee`), closed loop: the lowest load at which QPS reaches 90 % of the
+  best QPS measured, where more users stop buying throughput and only wait. A closed loop's latency
+  grows with its users by construction (each user waits for the ones before it), so "P99 doubled"
+  would mark the first step up for every chapter, not a limit; the load to size by is the open
+  loop's knee, below.
 - *open-loop knee* (:func:`find_open_knee`): the highest offered rate before the first rate at which
   P99 exceeds three times its value at the lowest rate, or the achieved rate falls below 95 % of the
   rate at which requests actually arrived, or more than 1 % of the arrivals fail. Up to the knee, latency grows slowly with the
@@ -46,8 +49,7 @@ from benchmarks.results import (
 )
 
 LOADGEN_CPU_WARNING_PERCENT = 80.0
-P99_KNEE_FACTOR = 2.0
-QPS_MIN_GAIN = 0.10
+SATURATION_SHARE = 0.9  # a closed loop saturates where QPS reaches this share of its best
 OPEN_P99_KNEE_FACTOR = 3.0  # a low rate's P99 rests on few requests: a factor of 2 would trip on noise
 OPEN_MIN_ACHIEVED_SHARE = 0.95
 OPEN_MAX_ERROR_SHARE = 0.01
@@ -60,48 +62,38 @@ OPEN_MAX_ERROR_SHARE = 0.01
 
 @dataclass(frozen=True)
 class Knee:
-    """``index`` into the levels (sorted by load); ``reasons`` empty when no level tested broke."""
+    """``index`` into the levels (sorted by load); ``reasons`` empty when saturation lies beyond the loads tested."""
 
     index: int
     users: int
-    reasons: tuple[str, ...]  # "p99_doubled", "qps_flat"
+    reasons: tuple[str, ...]  # "saturated": a higher load was measured and bought little more QPS
 
     @property
     def reached(self) -> bool:
         return bool(self.reasons)
 
 
-def find_knee(
-    users: Sequence[int], qps: Sequence[float], p99_ms: Sequence[float],
-    *, p99_factor: float = P99_KNEE_FACTOR, min_gain: float = QPS_MIN_GAIN,
-) -> Knee:
-    """The highest load before the first level that breaks; levels must be sorted by ``users``.
+def find_knee(users: Sequence[int], qps: Sequence[float], *, share: float = SATURATION_SHARE) -> Knee:
+    """The closed loop's saturation: the lowest load whose QPS reaches ``share`` of the best measured.
 
-    Level ``i`` (``i >= 1``) breaks when ``p99_ms[i] > p99_factor * p99_ms[0]`` (latency doubled
-    against the lowest load) or ``qps[i] < (1 + min_gain) * qps[i - 1]`` (QPS stopped growing:
-    less than a 10 % gain over the level below). The knee is level ``i - 1``. When no level breaks,
-    the knee is the highest level with no reasons: it lies beyond the loads tested.
+    Levels must be sorted by ``users``. Past that load more users add at most ``1 / share - 1`` of
+    throughput (11 % at 0.9) and only queue. When it is the highest load tested, the reasons are
+    empty: the server may saturate beyond it.
     """
     if not users:
         raise ValueError("no levels")
     if list(users) != sorted(users):
         raise ValueError(f"levels must be sorted by load, got {list(users)}")
-    for i in range(1, len(users)):
-        reasons = []
-        if p99_ms[i] > p99_factor * p99_ms[0]:
-            reasons.append("p99_doubled")
-        if qps[i] - qps[i - 1] < min_gain * qps[i - 1]:  # a gain of exactly 10 % still counts as growth
-            reasons.append("qps_flat")
-        if reasons:
-            return Knee(index=i - 1, users=users[i - 1], reasons=tuple(reasons))
-    return Knee(index=len(users) - 1, users=users[-1], reasons=())
+    best = max(qps)
+    index = next(i for i, q in enumerate(qps) if q >= share * best)
+    return Knee(index=index, users=users[index], reasons=("saturated",) if index < len(users) - 1 else ())
 
 
 def knee_of(result: BenchmarkResult) -> Knee | None:
     levels = sorted((lvl for lvl in result.levels if lvl.latency_ms is not None), key=lambda lvl: lvl.users)
     if not levels:
         return None
-    return find_knee([lvl.users for lvl in levels], [lvl.qps for lvl in levels], [lvl.latency_ms.p99 for lvl in levels])
+    return find_knee([lvl.users for lvl in levels], [lvl.qps for lvl in levels])
 
 
 @dataclass(frozen=True)
@@ -304,7 +296,7 @@ def _top_cell(row: TableRow) -> str:
 
 
 TABLE_HEADER = (
-    "| chapter | QPS | P50 (ms) | P99 (ms) | tokens/s | users | P99 at top load (ms) | knee (users) | errors | × ch01 "
+    "| chapter | QPS | P50 (ms) | P99 (ms) | tokens/s | users | P99 at top load (ms) | saturates at (users) | errors | × ch01 "
     "| article QPS | article P99 (ms) | article × ch01 |"
 )
 
@@ -356,7 +348,7 @@ def environment_line(results: Mapping[str, BenchmarkResult]) -> str:
         f"Profile `{config.profile}`, workload `{config.workload}` ({config.max_new_tokens} new tokens, prompts "
         f"{'/'.join(map(str, config.prompt_lengths))}), closed loop. Measured on {where}; {pinning}; torch threads "
         f"{env.torch_threads}; torch {env.torch}; commit {commit}. Saturation: the level with the highest QPS; "
-        f"top load: the highest level measured; knee: last load before P99 doubles or QPS gains < 10 %."
+        f"top load: the highest level measured; saturates at: the lowest load whose QPS reaches 90 % of the best (\"> N\": not within the loads measured)."
     )
 
 
@@ -623,7 +615,7 @@ def plot_climb(rows: Sequence[TableRow], axes=None, title: str = "The climb", va
 
 
 def plot_latency_vs_load(results: Mapping[str, BenchmarkResult], axes=None, title: str = "Latency against load"):
-    """P50 and P99 against concurrency for every run, knees circled; variants dashed. Returns the figure."""
+    """P50 and P99 against concurrency for every run, saturation circled; variants dashed. Returns the figure."""
     if axes is None:
         axes = Figure(figsize=(11, 4.5)).subplots(1, 2, sharey=True)
     figure = axes[0].figure
@@ -650,7 +642,7 @@ def plot_latency_vs_load(results: Mapping[str, BenchmarkResult], axes=None, titl
             ax.set_xticks(all_users, [str(u) for u in all_users])
         ax.set_yscale("log")
         ax.set_xlabel("concurrency (closed-loop users)")
-        ax.set_title(f"{metric} latency (ms); circle = knee")
+        ax.set_title(f"{metric} latency (ms); circle = saturation (90 % of the best QPS)")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("latency (ms)")
     if results:
