@@ -278,8 +278,8 @@ def deploy_block(directory: Path) -> str:
     """Chapter 7 against chapter 8 at the same load (``<dir>/ch08/deploy/*.json``): the two servers one would deploy."""
     return chapter_pair_block(directory / "ch08" / "deploy", "ch07", "ch08", (
         ". Both servers at their defaults, each inside chapter 7's production shell; client and server share the "
-        "machine's two cores unpinned. QPS: answers per second; P99: of the whole answer (ms); TTFT: time to the first "
-        "token (ms; chapter 7 answers all at once, so its TTFT is its whole answer); chapter 8 streams."))
+        "machine's two cores unpinned. QPS: answers per second; P99: of the whole answer (ms); TTFT: chapter 8's time to "
+        "its first streamed token (ms; chapter 7 answers all at once)."))
 
 
 def chapter_pair_block(folder: Path, base: str, other: str, note: str) -> str:

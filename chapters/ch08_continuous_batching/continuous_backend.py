@@ -55,6 +55,11 @@ class ContinuousBackend:
         self.cancelled = 0
         self.latencies = TokenLatencies()  # TTFT and TPOT of finished requests, for /metrics
 
+    @property
+    def waiting(self) -> int:
+        """Requests accepted and not running yet (queued in the scheduler, or still in the step thread's inbox)."""
+        return max(0, self.in_flight - len(self.step_thread.scheduler.running))
+
     async def start(self) -> None:
         self.step_thread.start(asyncio.get_running_loop())
 
@@ -142,7 +147,7 @@ def continuous_state(backend: ContinuousBackend) -> BackendState:
     block_bytes = store.pool.bytes_per_block
     rows = Counter(dict.copy(backend.step_thread.clock.decode_rows))  # dict.copy is one step under the GIL: the step thread adds to it
     return BackendState(
-        waiting=max(0, backend.in_flight - len(scheduler.running)),
+        waiting=backend.waiting,
         kv_bytes_total=manager.total_blocks * block_bytes,
         kv_bytes_used=(manager.total_blocks - manager.free_blocks) * block_bytes,
         batch_sizes=rows,

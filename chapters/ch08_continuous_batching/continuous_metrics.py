@@ -86,7 +86,7 @@ class ContinuousCollector(Collector):
             scheduler = backend.step_thread.scheduler
             stats, manager = scheduler.stats, scheduler.manager
             sequences.add_metric([name, "running"], len(scheduler.running))
-            sequences.add_metric([name, "waiting"], max(0, backend.in_flight - len(scheduler.running)))
+            sequences.add_metric([name, "waiting"], backend.waiting)
             blocks.add_metric([name, "used"], manager.used_blocks)
             blocks.add_metric([name, "free"], manager.free_blocks)
             preemptions.add_metric([name], stats.preemptions)
