@@ -1,8 +1,11 @@
 """One typed settings object per server, read from command-line flags and ``SFS_*`` environment variables.
 
-Flags win over the environment, the environment over the defaults. A chapter that adds knobs
-subclasses :class:`ServerSettings` (chapter 3 adds the batcher's window and batch sizes), so
-``--help`` always lists every knob of the server it starts.
+Flags win over the environment, the environment over the defaults. A chapter's settings class
+composes :class:`ServerSettings` with the option groups of the parts it runs (chapter 3's
+``BatcherOptions``, chapter 4's ``PoolOptions``, ...), so ``--help`` lists every knob of the server
+it starts and no other, and a knob is defined once, with one meaning, wherever it appears.
+A value the settings refuse ends the process with a one-line message per problem and exit status 2,
+as argparse does for a malformed flag.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import sys
 from typing import Literal, TypeVar
 
 import torch
-from pydantic import Field
+from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 
 from shared.schemas import ContractLimits
@@ -51,5 +54,13 @@ SettingsT = TypeVar("SettingsT", bound=ServerSettings)
 def parse_settings(cls: type[SettingsT], argv: list[str] | None = None, prog: str | None = None) -> SettingsT:
     """Build ``cls`` from ``argv`` (default: ``sys.argv[1:]``) and the environment."""
     argv = sys.argv[1:] if argv is None else argv
-    cls.model_config["cli_prog_name"] = prog or cls.__module__
-    return CliApp.run(cls, cli_args=argv)
+    prog = prog or cls.__module__
+    cls.model_config["cli_prog_name"] = prog
+    try:
+        return CliApp.run(cls, cli_args=argv)
+    except ValidationError as exc:
+        for problem in exc.errors(include_url=False):
+            where = "".join(f"--{str(part).replace('_', '-')}: " for part in problem["loc"][:1])
+            message = problem["msg"].removeprefix("Value error, ")
+            print(f"{prog}: error: {where}{message}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -20,7 +20,10 @@ import pytest
 from asgi_helpers import serving, until
 from prometheus_client.parser import text_string_to_metric_families
 
+from chapters.ch07_production.server import ProductionSettings
+from chapters.ch07_production.server import build_app as build_chapter7
 from chapters.ch08_continuous_batching.server import ContinuousSettings, build_app
+from chapters.ch08_continuous_batching.streaming import write_sse_stream
 from shared.schemas import ValidRequest
 
 CH07_DEPLOY = Path(__file__).parent.parent / "chapters" / "ch07_production" / "deploy"
@@ -105,6 +108,26 @@ def test_bad_requests_get_the_contracts_error_before_any_stream_starts(body: dic
         assert (await client.post("/v1/inference", content=b"{not json")).status_code == 400
 
     run(app, scenario)
+
+
+def test_streaming_is_served_only_where_a_backend_streams_and_the_app_was_given_a_writer() -> None:
+    """Chapter 2's route, not a swapped one: without a writer ``stream`` is an unknown field (chapter 7),
+    and a writer given for a backend that cannot stream stops the server at start-up."""
+    chapter7 = ProductionSettings(weights="default", device="cpu", engine="eager", precision="fp32", tuned_config="none",
+                                  pool_tokens=2048, fallback_slots=0, probe_interval_s=3600)
+    with pytest.raises(TypeError, match="does not stream"):
+        build_chapter7(chapter7, stream_writer=write_sse_stream)
+    app = build_chapter7(chapter7)
+
+    async def scenario(client: httpx.AsyncClient) -> None:
+        answer = await client.post("/v1/inference", json={"input_ids": [1, 2], "max_new_tokens": 2, "stream": True})
+        assert answer.status_code == 422 and "stream" in answer.json()["error"]["message"]
+        schema = (await client.get("/openapi.json")).json()["paths"]["/v1/inference"]["post"]["requestBody"]
+        assert "stream" not in schema["content"]["application/json"]["schema"]["properties"]
+
+    run(app, scenario)
+    [route] = [r for r in build_app(settings()).routes if getattr(r, "path", None) == "/v1/inference"]
+    assert "stream" in route.openapi_extra["requestBody"]["content"]["application/json"]["schema"]["properties"]
 
 
 def test_past_max_num_seqs_plus_max_queue_requests_get_429_with_retry_after() -> None:

@@ -5,18 +5,23 @@ request to one inference thread; chapter 3's to a batcher; later chapters compos
 pool, admission control, an engine, and chapter 7 wraps any of them in a production shell. Each
 chapter's ``server.py`` composes its backend from parts named in its imports and passes it to
 :func:`create_app`: ``server.py`` shows what a chapter runs, the imported modules how each part works.
+
+Streaming is an optional capability: a :class:`StreamingBackend` can hand out each token as it is
+made, and a server that is given a :data:`StreamWriter` for it (chapter 8's server-sent events)
+accepts ``"stream": true`` on ``/v1/inference``. Without one, ``stream`` is an unknown field (422).
 """
 
 from __future__ import annotations
 
+import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shared.schemas import (
@@ -65,6 +70,33 @@ class Backend(Protocol):
     def stats(self) -> dict: ...
 
     async def close(self) -> None: ...
+
+
+class StreamingBackend(Backend, Protocol):
+    """A backend that can also hand out a request's tokens as they are made.
+
+    ``open_stream`` admits the request at once, raising :class:`~shared.schemas.ApiError` as
+    ``generate`` would (so a refusal is still a JSON answer with its status), and returns the
+    request's tokens one by one, then one :class:`Generated`. Closing the iterator early aborts the
+    request and frees what it held.
+    """
+
+    async def open_stream(self, request: ValidRequest) -> AsyncIterator[int | Generated]: ...
+
+
+@dataclass(frozen=True)
+class StreamedRequest:
+    """What a stream writer knows of the request it answers."""
+
+    request_id: str
+    prompt_len: int
+    started: float  # time.perf_counter() when the request arrived
+    parsed: float  # time.perf_counter() once the contract's checks passed
+    tokenizer: Tokenizer
+
+
+# Writes a streaming backend's events (tokens, then the Generated) as the HTTP response.
+StreamWriter = Callable[[AsyncIterator[int | Generated], StreamedRequest], Response]
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -120,17 +152,21 @@ _ERROR_SCHEMA = {
 }
 
 
-def inference_openapi() -> dict:
+def inference_openapi(streams: bool = False) -> dict:
     """The request body and every response of ``/v1/inference`` for the OpenAPI document.
 
     The endpoint reads its body by hand (to refuse an oversized one early, 413), so FastAPI cannot
     infer it: without this, ``/docs`` could not try the endpoint and a schema-driven fuzzer would
-    send empty bodies.
+    send empty bodies. ``streams``: the body also takes ``"stream"``.
     """
+    schema = InferenceRequest.model_json_schema()
+    if streams:
+        schema["properties"]["stream"] = {"type": "boolean", "default": False,
+                                          "description": "true: the answer is a text/event-stream, one event per token"}
     return {
         "requestBody": {
             "required": True,
-            "content": {"application/json": {"schema": InferenceRequest.model_json_schema()}},
+            "content": {"application/json": {"schema": schema}},
         },
         "responses": {
             str(status): {"description": text, "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
@@ -139,8 +175,30 @@ def inference_openapi() -> dict:
     }
 
 
-def create_app(*, title: str, limits: ContractLimits, tokenizer: Tokenizer, backend: Backend) -> FastAPI:
-    """The contract's routes around ``backend``; its ``start``/``close`` bracket the server's life."""
+def take_stream_flag(body: bytes) -> tuple[bytes, bool]:
+    """``body`` without its ``stream`` field, and that field; a body that is not a JSON object is left
+    for the contract's parser (400 or 422)."""
+    try:
+        raw = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return body, False
+    if not isinstance(raw, dict) or "stream" not in raw:
+        return body, False
+    flag = raw.pop("stream")
+    if not isinstance(flag, bool):
+        raise ApiError(422, "invalid_request", f"stream: must be true or false, got {flag!r}")
+    return json.dumps(raw).encode(), flag
+
+
+def create_app(*, title: str, limits: ContractLimits, tokenizer: Tokenizer, backend: Backend,
+               stream_writer: StreamWriter | None = None) -> FastAPI:
+    """The contract's routes around ``backend``; its ``start``/``close`` bracket the server's life.
+
+    With ``stream_writer`` (``backend`` must then be a :class:`StreamingBackend`), ``/v1/inference``
+    also accepts ``"stream": true`` and answers with what the writer makes of the backend's stream.
+    """
+    if stream_writer is not None and not hasattr(backend, "open_stream"):
+        raise TypeError(f"{type(backend).__name__} does not stream (no open_stream), yet a stream writer was given")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -173,13 +231,17 @@ def create_app(*, title: str, limits: ContractLimits, tokenizer: Tokenizer, back
     async def stats() -> dict:
         return backend.stats()
 
-    @app.post("/v1/inference", response_model=InferenceResponse, openapi_extra=inference_openapi())
-    async def inference(request: Request) -> JSONResponse:
+    @app.post("/v1/inference", response_model=InferenceResponse, openapi_extra=inference_openapi(stream_writer is not None))
+    async def inference(request: Request) -> Response:
         started = time.perf_counter()
         request_id = _request_id(request)
         body = await read_body(request, limits.max_body_bytes)
+        body, stream_wanted = take_stream_flag(body) if stream_writer is not None else (body, False)
         valid = parse_inference_request(body, limits, tokenizer)
         parsed = time.perf_counter()
+        if stream_wanted:
+            tokens = await backend.open_stream(valid)  # admission now: a refusal is still a JSON error
+            return stream_writer(tokens, StreamedRequest(request_id, len(valid.input_ids), started, parsed, tokenizer))
         result = await backend.generate(valid, request.is_disconnected)
         timings = {"parse": (parsed - started) * 1e3, **result.timings_ms, "total": (time.perf_counter() - started) * 1e3}
         response = build_response(request_id, len(valid.input_ids), result.output_ids, tokenizer, timings)

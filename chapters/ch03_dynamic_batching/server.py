@@ -18,6 +18,7 @@ import time
 import uvicorn
 from fastapi import FastAPI
 from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings
 
 from chapters.ch02_fastapi_async.api import DisconnectCheck, Generated, create_app
 from chapters.ch03_dynamic_batching.batched_generation import Prefill, generate_batch
@@ -29,8 +30,11 @@ from shared.settings import ServerSettings, parse_settings
 from shared.weights import load_model
 
 
-class BatchingSettings(ServerSettings):
-    """Chapter 2's knobs, the batcher's three (defaults: the article's starting point), and the prompt pass."""
+class BatcherOptions(BaseSettings):
+    """The batcher's three knobs (defaults: the article's starting point) and the prompt pass: an
+    option group any server with chapter 3's batcher composes."""
+
+    model_config = ServerSettings.model_config
 
     max_batch: int = Field(32, ge=1, description="most requests in one batch; the rest wait for the next one")
     min_batch: int = Field(8, ge=1, description="a batch leaves at once when this many requests are waiting")
@@ -38,13 +42,17 @@ class BatchingSettings(ServerSettings):
     prefill: Prefill = Field("by_length", description="by_length: skip the padding in the prompt pass | padded: the textbook pass")
 
     @model_validator(mode="after")
-    def _min_not_above_max(self) -> BatchingSettings:
+    def _min_not_above_max(self) -> BatcherOptions:
         if self.min_batch > self.max_batch:
             raise ValueError(f"min_batch ({self.min_batch}) must not exceed max_batch ({self.max_batch})")
         return self
 
     def batcher_config(self) -> BatcherConfig:
         return BatcherConfig(max_batch=self.max_batch, min_batch=self.min_batch, window_s=self.window_ms / 1e3)
+
+
+class BatchingSettings(BatcherOptions, ServerSettings):
+    """Chapter 2's knobs and the batcher's."""
 
 
 class GreedyBatchRunner:

@@ -31,7 +31,7 @@ from pydantic_settings import BaseSettings
 
 from chapters.ch02_fastapi_async.api import Generated, create_app
 from chapters.ch03_dynamic_batching.batcher import BatchRunner, DynamicBatcher
-from chapters.ch03_dynamic_batching.server import BatchingSettings
+from chapters.ch03_dynamic_batching.server import BatcherOptions
 from chapters.ch04_memory_pool.admission import AdmissionConfig, AdmissionController
 from chapters.ch04_memory_pool.memory_pool import (
     DEFAULT_BLOCK_TOKENS,
@@ -64,14 +64,21 @@ class PoolOptions(BaseSettings):
     block_tokens: int = Field(DEFAULT_BLOCK_TOKENS, ge=1, description="token slots per allocator block")
 
 
-class PoolSettings(PoolOptions, BatchingSettings):
-    """Chapter 3's knobs plus the pool's and admission control's."""
+class AdmissionOptions(BaseSettings):
+    """Admission control for a request-level batcher over the pool, and its CPU fallback: an option
+    group chapters 4-7 compose."""
+
+    model_config = ServerSettings.model_config
 
     max_concurrency: int = Field(64, ge=1, description="requests expected in flight at once: the article's sizing rule")
     max_queue: int = Field(100, ge=1, description="requests that may wait (accepted, not computing yet); beyond: 429")
     fallback_threshold: float = Field(0.9, gt=0.0, le=1.0, description="pool use that counts as pressure")
     fallback_after_s: float = Field(5.0, ge=0.0, description="after this long under pressure, what the full queue would refuse goes to the fallback")
     fallback_slots: int = Field(1, ge=0, description="requests on the CPU fallback at once (0: never offload)")
+
+
+class PoolSettings(PoolOptions, AdmissionOptions, BatcherOptions, ServerSettings):
+    """Chapter 3's knobs plus the pool's and admission control's."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -115,7 +122,7 @@ def build_app(settings: PoolSettings, run_batch: BatchRunner[ValidRequest, Gener
     """The server; ``run_batch`` replaces the pooled runner's ``__call__`` (tests hold batches with it)."""
     set_threads(settings.torch_threads)
     loaded = load_model(settings.weights, settings.preset, choose_device(settings.device), settings.torch_dtype)
-    pool = build_pool(settings, loaded.config, loaded.model.dtype, loaded.model.device)
+    pool = build_pool(settings, settings.max_concurrency, loaded.config, loaded.model.dtype, loaded.model.device)
     runner = PooledBatchRunner(loaded.model, pool, loaded.tokenizer.pad_id, settings.prefill)
     batcher = DynamicBatcher(run_batch or runner, settings.batcher_config())
     backend = PooledBackend(
@@ -131,9 +138,9 @@ def build_app(settings: PoolSettings, run_batch: BatchRunner[ValidRequest, Gener
     )
 
 
-def build_pool(settings: PoolSettings, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> KVMemoryPool:
-    """The pool, sized by :func:`plan_pool`, allocated (and touched) now; its size logged."""
-    plan = plan_pool(settings, settings.max_concurrency, config, dtype, device)
+def build_pool(settings: PoolOptions, concurrency: int, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> KVMemoryPool:
+    """The pool, sized by :func:`plan_pool` for ``concurrency`` requests, allocated (and touched) now; its size logged."""
+    plan = plan_pool(settings, concurrency, config, dtype, device)
     pool = KVMemoryPool(config, plan.capacity_tokens, block_tokens=settings.block_tokens, device=device, dtype=dtype)
     log.info(
         "KV pool: %d token slots in %d blocks of %d, %.1f MiB of %s on %s (%s)",
@@ -143,7 +150,7 @@ def build_pool(settings: PoolSettings, config: ModelConfig, dtype: torch.dtype, 
     return pool
 
 
-def admission_for(settings: PoolSettings, batcher: DynamicBatcher, pool: KVMemoryPool) -> AdmissionController:
+def admission_for(settings: AdmissionOptions, batcher: DynamicBatcher, pool: KVMemoryPool) -> AdmissionController:
     config = AdmissionConfig(
         max_waiting=settings.max_queue,
         pressure_threshold=settings.fallback_threshold,

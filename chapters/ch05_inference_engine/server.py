@@ -28,7 +28,8 @@ from pydantic_settings import BaseSettings
 from chapters.ch02_fastapi_async.api import create_app
 from chapters.ch03_dynamic_batching.batcher import DynamicBatcher
 from chapters.ch04_memory_pool.pooled_backend import CpuFallback, PooledBackend, PooledBatchRunner
-from chapters.ch04_memory_pool.server import PoolSettings, admission_for, build_pool
+from chapters.ch03_dynamic_batching.server import BatcherOptions
+from chapters.ch04_memory_pool.server import AdmissionOptions, PoolOptions, admission_for, build_pool
 from chapters.ch05_inference_engine.engine import Engine
 from chapters.ch05_inference_engine.engines import build_engine
 from shared.devices import choose_device, set_threads
@@ -51,7 +52,7 @@ class EngineOptions(BaseSettings):
     )
 
 
-class EngineSettings(EngineOptions, PoolSettings):
+class EngineSettings(EngineOptions, PoolOptions, AdmissionOptions, BatcherOptions, ServerSettings):
     """Chapter 4's knobs plus the engine and its precision."""
 
 
@@ -69,7 +70,7 @@ def build_app(settings: EngineSettings) -> FastAPI:
     set_threads(settings.torch_threads)
     loaded = load_model(settings.weights, settings.preset, choose_device(settings.device), settings.torch_dtype)
     engine = engine_for(settings, loaded)
-    pool = build_pool(settings, loaded.config, engine.dtype, engine.device)
+    pool = build_pool(settings, settings.max_concurrency, loaded.config, engine.dtype, engine.device)
     runner = PooledBatchRunner(engine, pool, loaded.tokenizer.pad_id, settings.prefill)
     batcher = DynamicBatcher(runner, settings.batcher_config())
     backend = PooledBackend(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import TypeVar
 
 import uvicorn
 from fastapi import FastAPI
@@ -21,11 +22,12 @@ from pydantic import Field
 
 from chapters.ch02_fastapi_async.api import create_app
 from chapters.ch04_memory_pool.pooled_backend import CpuFallback, PooledBackend, PooledBatchRunner
-from chapters.ch04_memory_pool.server import admission_for, build_pool
-from chapters.ch05_inference_engine.server import EngineSettings, engine_for
+from chapters.ch03_dynamic_batching.server import BatcherOptions
+from chapters.ch04_memory_pool.server import AdmissionOptions, PoolOptions, admission_for, build_pool
+from chapters.ch05_inference_engine.server import EngineOptions, engine_for
 from chapters.ch06_tuned_batching.adaptive_window import AdaptiveBatcher
 from shared.devices import choose_device, set_threads
-from shared.settings import parse_settings
+from shared.settings import ServerSettings, parse_settings
 from shared.weights import LoadedModel, load_model
 
 log = logging.getLogger("chapters.ch06_tuned_batching")
@@ -34,8 +36,9 @@ TUNED_CONFIG = Path(__file__).parent / "tuned.json"
 TUNED_FIELDS = ("max_batch", "min_batch", "window_ms")
 
 
-class TunedSettings(EngineSettings):
-    """Chapter 5's knobs; the batcher's defaults are the article's final ones until ``tuned.json`` says otherwise."""
+class TunedBatcherOptions(BatcherOptions):
+    """Chapter 3's batcher knobs with the article's final defaults (until ``tuned.json`` says otherwise),
+    the adaptive window's floor, and where the tuned file is: an option group chapters 6 and 7 compose."""
 
     max_batch: int = Field(64, ge=1, description="most requests in one batch")
     min_batch: int = Field(16, ge=1, description="a batch leaves at once when this many requests are waiting")
@@ -44,7 +47,14 @@ class TunedSettings(EngineSettings):
     tuned_config: str = Field(str(TUNED_CONFIG), description="the autotuner's choice ('none': ignore it)")
 
 
-def apply_tuned_config(settings: TunedSettings) -> TunedSettings:
+class TunedSettings(TunedBatcherOptions, EngineOptions, PoolOptions, AdmissionOptions, ServerSettings):
+    """Chapter 5's knobs with the tuned batcher's."""
+
+
+TunedOptionsT = TypeVar("TunedOptionsT", bound=TunedBatcherOptions)
+
+
+def apply_tuned_config(settings: TunedOptionsT) -> TunedOptionsT:
     """Take the batcher's knobs from the tuned file, except those set by a flag or an environment variable.
 
     The knobs are :data:`TUNED_FIELDS`, read from the file's ``"chosen"`` object; a knob the settings
@@ -64,7 +74,7 @@ def apply_tuned_config(settings: TunedSettings) -> TunedSettings:
 def build_backend(settings: TunedSettings, loaded: LoadedModel) -> PooledBackend:
     """Chapter 5's parts, with the adaptive batcher: engine, pool, runner, batcher, admission, fallback."""
     engine = engine_for(settings, loaded)
-    pool = build_pool(settings, loaded.config, engine.dtype, engine.device)
+    pool = build_pool(settings, settings.max_concurrency, loaded.config, engine.dtype, engine.device)
     runner = PooledBatchRunner(engine, pool, loaded.tokenizer.pad_id, settings.prefill)
     batcher = AdaptiveBatcher(runner, settings.batcher_config(), min_window_s=settings.min_window_ms / 1e3)
     return PooledBackend(

@@ -43,8 +43,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field, ValidationError
 from pydantic_settings import BaseSettings
 
-from chapters.ch02_fastapi_async.api import Backend, DisconnectCheck, Generated, create_app
-from chapters.ch06_tuned_batching.server import TunedSettings, apply_tuned_config, build_backend
+from chapters.ch02_fastapi_async.api import Backend, DisconnectCheck, Generated, StreamWriter, create_app
+from chapters.ch04_memory_pool.server import AdmissionOptions, PoolOptions
+from chapters.ch05_inference_engine.server import EngineOptions
+from chapters.ch06_tuned_batching.server import TunedBatcherOptions, apply_tuned_config, build_backend
 from chapters.ch07_production.deadlines import TIMEOUT_HEADER, effective_timeout, until_disconnected, within_deadline
 from chapters.ch07_production.drain import DrainController, DrainingServer
 from chapters.ch07_production.health import ReadinessProbe, request_probe
@@ -84,8 +86,8 @@ class ProductionOptions(BaseSettings):
         "off", description="keep a per-request intermediate tensor: leaky = the article's bug (failed requests keep it), fixed = released in finally")
 
 
-class ProductionSettings(ProductionOptions, TunedSettings):
-    """Chapter 6's knobs plus the production ones."""
+class ProductionSettings(ProductionOptions, TunedBatcherOptions, EngineOptions, PoolOptions, AdmissionOptions, ServerSettings):
+    """Chapter 6's knobs plus the production shell's."""
 
 
 class LoadRequest(BaseModel):
@@ -207,8 +209,6 @@ class ProductionBackend:
             held.callback(self.drain.exit)
             version = self.registry.route(headers.get(MODEL_VERSION_HEADER.lower()))
             backend = held.enter_context(version.use())
-            if not hasattr(backend, "open_stream"):
-                raise ApiError(422, "streaming_unsupported", f"model version {version.name} does not stream")
             if context is not None:
                 context.model_version, context.input_tokens = version.name, len(request.input_ids)
             inner = await backend.open_stream(request)
@@ -273,17 +273,20 @@ def build_version(settings: ServerSettings, name: str, weights: str, seed: int, 
 
 def build_app(settings: ProductionSettings, backend_factory: BackendFactory = build_backend,
               probe: Callable[[], Awaitable[None]] | None = None, read_state: StateReader = pooled_state,
-              title: str = "ch07 production", chapter: str = "ch07") -> FastAPI:
+              title: str = "ch07 production", chapter: str = "ch07", stream_writer: StreamWriter | None = None) -> FastAPI:
     """The server: the production shell around the backends ``backend_factory`` builds, one per model version.
 
     ``settings`` needs chapter 2's knobs and :class:`ProductionOptions` (and whatever the factory
     reads); ``read_state`` turns a backend into the numbers ``/metrics`` reports; ``probe`` replaces
-    the readiness probe (a real request through the newest version's backend).
+    the readiness probe (a real request through the newest version's backend); ``stream_writer``
+    (chapter 2's :func:`create_app`) serves ``"stream": true`` when the factory's backends stream.
     """
     set_threads(settings.torch_threads)
     if settings.memory_snapshots and not tracemalloc.is_tracing():
         tracemalloc.start()  # costs every allocation some time: only behind the flag
     first = build_version(settings, settings.model_version, settings.weights, settings.seed, backend_factory)
+    if stream_writer is not None and not hasattr(first.backend, "open_stream"):
+        raise TypeError(f"{type(first.backend).__name__} does not stream (no open_stream), yet a stream writer was given")
     limits = settings.limits(first.loaded.config.vocab_size, first.loaded.config.n_ctx)
     registry = ModelRegistry(settings.max_unload_wait_s)
     drain = DrainController(settings.drain_timeout_s)
@@ -296,7 +299,7 @@ def build_app(settings: ProductionSettings, backend_factory: BackendFactory = bu
 
     readiness = ReadinessProbe(probe or request_probe(newest_backend), settings.probe_interval_s, settings.probe_timeout_s)
     backend = ProductionBackend(settings, registry, first, drain, readiness, chapter)
-    app = create_app(title=title, limits=limits, tokenizer=first.loaded.tokenizer, backend=backend)
+    app = create_app(title=title, limits=limits, tokenizer=first.loaded.tokenizer, backend=backend, stream_writer=stream_writer)
     device = first.loaded.model.device
 
     def serving() -> list[tuple]:

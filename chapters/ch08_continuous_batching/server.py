@@ -25,9 +25,9 @@ that goes away or a request past its deadline (504) is aborted between two steps
 free before the next step is planned, and nobody else notices.
 
 Routes: chapter 7's (``/healthz``, ``/livez``, ``/readyz``, ``/stats``, ``/metrics``,
-``/admin/models``), ``/v1/inference`` (here replaced by a version that also streams, same contract
-otherwise, :mod:`~chapters.ch08_continuous_batching.streaming`), plus ``/v1/completions`` and
-``/v1/models`` (:mod:`~chapters.ch08_continuous_batching.openai_api`).
+``/admin/models``), ``/v1/inference`` (chapter 2's, which streams because this backend can and the
+server is given a writer of server-sent events, :mod:`~chapters.ch08_continuous_batching.streaming`),
+plus ``/v1/completions`` and ``/v1/models`` (:mod:`~chapters.ch08_continuous_batching.openai_api`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings
 
 from chapters.ch04_memory_pool.memory_pool import KVMemoryPool
-from chapters.ch04_memory_pool.server import PoolOptions, plan_pool
+from chapters.ch04_memory_pool.server import AdmissionOptions, PoolOptions, plan_pool
 from chapters.ch05_inference_engine.server import EngineOptions, engine_for
 from chapters.ch07_production.request_log import configure_json_logging
 from chapters.ch07_production.server import ProductionOptions, serve
@@ -55,7 +55,7 @@ from chapters.ch08_continuous_batching.openai_api import CompletionsApi
 from chapters.ch08_continuous_batching.paged_attention import ATTENTION_CHOICES, choose_attention
 from chapters.ch08_continuous_batching.paged_cache import KV_CACHE_DTYPES, KV_CACHE_RULE, PagedKVStore, kv_cache_dtype
 from chapters.ch08_continuous_batching.scheduler import ContinuousScheduler, KVPolicy, SchedulerConfig
-from chapters.ch08_continuous_batching.streaming import add_streaming_inference
+from chapters.ch08_continuous_batching.streaming import write_sse_stream
 from shared.settings import ServerSettings, parse_settings
 from shared.weights import LoadedModel
 
@@ -72,7 +72,7 @@ class SchedulerOptions(BaseSettings):
     kv_policy: KVPolicy = Field("grow", description="grow: blocks as needed, preempt by recompute | reserve: prompt + max_new at admission")
     attention: ATTENTION_CHOICES = Field("auto", description="paged attention backend: auto (measured, paged_attention.py) | gather | flex")
     kv_cache_dtype: KV_CACHE_DTYPES = Field("auto", description=f"dtype of the paged pool's keys and values: {KV_CACHE_RULE} | fp32 | bf16")
-    max_queue: int = Field(100, ge=1, description="requests that may wait (accepted, not computing yet); beyond: 429")
+    max_queue: int = AdmissionOptions.model_fields["max_queue"]  # chapter 4's knob: one meaning everywhere
     served_model_name: str = Field("", description="the model's name in /v1/models and /v1/completions (empty: the weights' name)")
 
     @model_validator(mode="after")
@@ -123,13 +123,13 @@ def build_backend(settings: ContinuousSettings, loaded: LoadedModel,
 def build_app(settings: ContinuousSettings, wrap_model: Callable[[PackedModel], PackedModel] | None = None) -> FastAPI:
     """Chapter 7's production shell around the continuous backend, plus its metrics, streaming and the OpenAI routes."""
     app = build_production_app(settings, backend_factory=partial(build_backend, wrap_model=wrap_model),
-                               read_state=continuous_state, title="ch08 continuous batching", chapter="ch08")
+                               read_state=continuous_state, title="ch08 continuous batching", chapter="ch08",
+                               stream_writer=write_sse_stream)
     versions = app.state.registry.versions
     app.state.metrics_registry.register(ContinuousCollector(
         lambda: [(v.name, v.backend) for v in list(versions.values()) if v.backend is not None]))
-    tokenizer, limits = app.state.tokenizer, app.state.limits
-    add_streaming_inference(app, tokenizer, limits)
-    CompletionsApi(app.state.backend, tokenizer, limits, settings.served_model_name or served_name(app.state.first_source)).register(app)
+    model_name = settings.served_model_name or served_name(app.state.first_source)
+    CompletionsApi(app.state.backend, app.state.tokenizer, app.state.limits, model_name).register(app)
     return app
 
 

@@ -24,20 +24,10 @@ import json
 import time
 from collections.abc import AsyncIterator
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
-from fastapi.routing import APIRoute
+from fastapi.responses import StreamingResponse
 
-from chapters.ch02_fastapi_async.api import Generated, inference_openapi, read_body
-from shared.schemas import (
-    REQUEST_ID_HEADER,
-    ApiError,
-    ContractLimits,
-    InferenceResponse,
-    build_response,
-    parse_inference_request,
-    request_id_from,
-)
+from chapters.ch02_fastapi_async.api import Generated, StreamedRequest
+from shared.schemas import REQUEST_ID_HEADER, ApiError, build_response
 from shared.tokenizer import Tokenizer
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # proxies must not buffer the stream
@@ -73,64 +63,24 @@ class TextDelta:
         return delta
 
 
-def add_streaming_inference(app: FastAPI, tokenizer: Tokenizer, limits: ContractLimits) -> None:
-    """Replace chapter 2's ``/v1/inference`` with one that also accepts ``"stream": true`` (server-sent events).
-
-    Chapter 2's route parses the body itself and refuses unknown fields, so ``stream`` cannot pass
-    through it: this route takes ``stream`` out, then checks the rest with the same contract code.
-    Without ``stream`` (or with ``false``) it is chapter 2's route: ``backend.generate``, the same
-    JSON. With it, ``backend.open_stream`` (the app's backend must offer it).
-    """
-    backend = app.state.backend
-    app.router.routes[:] = [r for r in app.router.routes if not (isinstance(r, APIRoute) and r.path == "/v1/inference")]
-    openapi = inference_openapi()
-    openapi["requestBody"]["content"]["application/json"]["schema"]["properties"]["stream"] = {"type": "boolean", "default": False}
-
-    @app.post("/v1/inference", response_model=InferenceResponse, openapi_extra=openapi)
-    async def inference(request: Request):
-        started = time.perf_counter()
-        request_id = request_id_from(request.headers.get(REQUEST_ID_HEADER))
-        request.state.request_id = request_id
-        body = await read_body(request, limits.max_body_bytes)
-        body, stream_wanted = _take_stream_flag(body)
-        valid = parse_inference_request(body, limits, tokenizer)
-        parsed = time.perf_counter()
-        headers = {REQUEST_ID_HEADER: request_id}
-        if stream_wanted:
-            tokens = await backend.open_stream(valid)  # admission now: a refusal is still a JSON error
-            events = _inference_events(tokens, tokenizer, request_id, len(valid.input_ids), started, parsed)
-            return StreamingResponse(events, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
-        result = await backend.generate(valid, request.is_disconnected)
-        timings = {"parse": (parsed - started) * 1e3, **result.timings_ms, "total": (time.perf_counter() - started) * 1e3}
-        response = build_response(request_id, len(valid.input_ids), result.output_ids, tokenizer, timings)
-        return JSONResponse(response.model_dump(), headers=headers)
+def write_sse_stream(tokens: AsyncIterator[int | Generated], request: StreamedRequest) -> StreamingResponse:
+    """Chapter 2's :data:`~chapters.ch02_fastapi_async.api.StreamWriter` for ``/v1/inference``: the
+    backend's events as server-sent events (``token`` per token, then ``done`` or ``error``)."""
+    return StreamingResponse(_inference_events(tokens, request), media_type="text/event-stream",
+                             headers={**SSE_HEADERS, REQUEST_ID_HEADER: request.request_id})
 
 
-def _take_stream_flag(body: bytes) -> tuple[bytes, bool]:
-    """``body`` without its ``stream`` field, and that field; invalid JSON is left for the contract's parser (400)."""
-    try:
-        raw = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return body, False
-    if not isinstance(raw, dict) or "stream" not in raw:
-        return body, False
-    flag = raw.pop("stream")
-    if not isinstance(flag, bool):
-        raise ApiError(422, "invalid_request", f"stream: must be true or false, got {flag!r}")
-    return json.dumps(raw).encode(), flag
-
-
-async def _inference_events(
-    tokens: AsyncIterator[int | Generated], tokenizer: Tokenizer, request_id: str, prompt_len: int, started: float, parsed: float
-) -> AsyncIterator[bytes]:
-    text = TextDelta(tokenizer)
+async def _inference_events(tokens: AsyncIterator[int | Generated], request: StreamedRequest) -> AsyncIterator[bytes]:
+    text = TextDelta(request.tokenizer)
     try:
         async for event in tokens:
             if not isinstance(event, Generated):
                 yield sse({"token_id": event, "text": text.add(event)}, event="token")
                 continue
-            timings = {"parse": (parsed - started) * 1e3, **event.timings_ms, "total": (time.perf_counter() - started) * 1e3}
-            yield sse(build_response(request_id, prompt_len, event.output_ids, tokenizer, timings).model_dump(), event="done")
+            timings = {"parse": (request.parsed - request.started) * 1e3, **event.timings_ms,
+                       "total": (time.perf_counter() - request.started) * 1e3}
+            answer = build_response(request.request_id, request.prompt_len, event.output_ids, request.tokenizer, timings)
+            yield sse(answer.model_dump(), event="done")
     except ApiError as error:  # after the stream started: the status line is gone, the error is an event
         yield sse(error.body(), event="error")
     finally:
