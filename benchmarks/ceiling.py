@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from datetime import datetime, timezone
+from datetime import datetime, timezone, UTC
 from pathlib import Path
 
 from benchmarks.environment import collect_environment
@@ -38,7 +38,7 @@ def run_ceiling(
     work_dir.mkdir(parents=True, exist_ok=True)
     server_cores, loadgen_cores = profile.core_plan()
     environment = collect_environment(profile, server_cores, loadgen_cores)
-    started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    started_at = datetime.now(UTC).isoformat(timespec="seconds")
     progress(f"ceiling [{profile.name}]: Locust against an instant endpoint")
     launched = time.monotonic()
     with running_module(
@@ -61,7 +61,7 @@ def run_ceiling(
         chapter="ceiling",
         label="ceiling",
         started_at=started_at,
-        finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        finished_at=datetime.now(UTC).isoformat(timespec="seconds"),
         environment=environment,
         config=RunConfig(
             profile=profile.name, workload=workload.name, max_new_tokens=workload.max_new_tokens,

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timezone, UTC
 from pathlib import Path
 
 import requests
@@ -209,7 +209,7 @@ def run_chapter(
     args = server_args_for(profile, extra_server_args, weights)
     work_dir = directory / "runs" / (label if chosen_workload.name == "default" else f"{label}-{chosen_workload.name}")
     work_dir.mkdir(parents=True, exist_ok=True)
-    started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    started_at = datetime.now(UTC).isoformat(timespec="seconds")
     calibration = run_calibration(profile, server_cores, weights, progress) if calibrate else None
     progress(f"{label} [{profile.name}, {chosen_workload.name}]: starting {module_for(chapter)} {' '.join(args)}")
 
@@ -239,7 +239,7 @@ def run_chapter(
         chapter=chapter,
         label=label,
         started_at=started_at,
-        finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        finished_at=datetime.now(UTC).isoformat(timespec="seconds"),
         environment=environment,
         config=RunConfig(
             profile=profile.name, workload=chosen_workload.name, max_new_tokens=chosen_workload.max_new_tokens,
@@ -331,7 +331,7 @@ def run_open_loop(
     args = server_args_for(profile, extra_server_args, weights)
     work_dir = directory / "runs" / "openloop" / (label if chosen_workload.name == "default" else f"{label}-{chosen_workload.name}")
     work_dir.mkdir(parents=True, exist_ok=True)
-    started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    started_at = datetime.now(UTC).isoformat(timespec="seconds")
     calibration = run_calibration(profile, server_cores, weights, progress) if calibrate else None
     progress(f"{label} open loop [{profile.name}]: rates {', '.join(f'{r:g}' for r in ladder)}/s")
     launched = time.monotonic()
@@ -361,7 +361,7 @@ def run_open_loop(
         command = server.command
     result = OpenLoopResult(
         chapter=chapter, label=label, started_at=started_at,
-        finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        finished_at=datetime.now(UTC).isoformat(timespec="seconds"),
         environment=environment,
         config=OpenLoopConfig(
             profile=profile.name, workload=chosen_workload.name, max_new_tokens=chosen_workload.max_new_tokens,

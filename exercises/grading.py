@@ -16,8 +16,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from exercises.course import STEPS
 from exercises.markers import STUB_ID_IN_TEXT, Exercise
-from exercises.pytest_plugin import REPORT_ENV, STUB_OWN_ENV, TREE_ENV
+from exercises.pytest_plugin import REPORT_ENV, STUB_ENV, TREE_ENV
 
 GRADED_TESTS_GLOB = "test_exercises_ch*.py"
 PASSED, FAILED, NOT_ATTEMPTED, BLOCKED, NO_TEST = "passed", "failed", "not attempted", "blocked", "no graded test"
@@ -50,11 +51,15 @@ def run_graded_tests(
     *,
     tests_dir: Path,
     junit: Path | None = None,
-    stub_own: bool = False,
+    stub: str | None = None,
     extra_args: list[str] | None = None,
     timeout_s: float = 900,
 ) -> GradeRun:
-    """Run the graded tests of ``exercises`` (from ``tests_dir``) on the code in ``tree``."""
+    """Run the graded tests of ``exercises`` (from ``tests_dir``) on the code in ``tree``.
+
+    ``stub`` (a toggle tree only): what to stub while each graded test runs (``own`` or ``around``,
+    see :mod:`exercises.pytest_plugin`).
+    """
     tree = Path(tree).resolve()
     files = graded_test_files(tests_dir)
     if not files:
@@ -63,9 +68,9 @@ def run_graded_tests(
         report = Path(scratch) / "report.json"
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
                TREE_ENV: str(tree), REPORT_ENV: str(report), "PYTHONDONTWRITEBYTECODE": "1"}
-        env.pop(STUB_OWN_ENV, None)
-        if stub_own:
-            env[STUB_OWN_ENV] = "1"
+        env.pop(STUB_ENV, None)
+        if stub is not None:
+            env[STUB_ENV] = stub
         command = [sys.executable, "-m", "pytest", *map(str, files), "-m", "exercise", "-q", "-p", "no:cacheprovider",
                    "-o", "console_output_style=classic", "--tb=native", *(f"--exercise={e.id}" for e in exercises)]
         if junit is not None:
@@ -106,7 +111,13 @@ def format_table(grades: list[ExerciseGrade]) -> str:
     """One row per exercise, grouped by chapter."""
     rows = [("exercise", "status", "tests passed", "title", "note")]
     for g in grades:
-        note = f"its tests stopped at the stub of {', '.join(g.blocked_by)}" if g.blocked_by else ""
+        note = ""
+        if g.blocked_by:
+            needs = [i for i in g.blocked_by if i in STEPS[g.exercise.id].needs] if g.exercise.id in STEPS else []
+            note = f"its tests stopped at the stub of {', '.join(g.blocked_by)}" + (
+                f" (it needs {', '.join(needs)}: do that first)" if needs else "")
+        elif g.status == FAILED and g.failures:
+            note = f"first failure: {next(iter(g.failures)).rsplit('::', 1)[-1]}"
         rows.append((g.exercise.id, g.status, f"{g.passed}/{g.total}", g.exercise.title, note))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = []

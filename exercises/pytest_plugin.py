@@ -7,8 +7,11 @@
   and ``shared`` are imported from DIR, so an installed copy can never be graded by mistake.
 - ``EXERCISES_REPORT=FILE``: write each graded test's exercises, outcome and failure text as JSON
   (the grade table is built from it).
-- ``EXERCISES_STUB_OWN=1`` (the meta-test, on a toggle tree only): while a graded test runs, its own
+- ``EXERCISES_STUB=own`` (the meta-test, on a toggle tree only): while a graded test runs, its own
   exercises are stubbed, so its failure shows what a learner who has not written them would see.
+  ``EXERCISES_STUB=around``: its own exercises and what they need (``exercises/course.py``) are
+  solved and every other exercise of their chapter and of later chapters is stubbed, so it passes
+  only if the course's order lets a learner pass it.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ from pathlib import Path
 import pytest
 
 from exercises import toggle
+from exercises.course import stubbed_around
 from exercises.markers import check_id, discover, marker_name
 
 EXERCISE_MARK = "exercise"
 TREE_ENV = "EXERCISES_TREE"
 REPORT_ENV = "EXERCISES_REPORT"
-STUB_OWN_ENV = "EXERCISES_STUB_OWN"
+STUB_ENV = "EXERCISES_STUB"
+STUB_MODES = ("own", "around")
 
 
 def _chapters_root() -> Path:
@@ -90,12 +95,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(autouse=True)
-def _stub_own_exercise(request: pytest.FixtureRequest) -> Iterator[None]:
-    """On a toggle tree with ``EXERCISES_STUB_OWN=1``: stub this test's own exercises while it runs."""
-    if not os.environ.get(STUB_OWN_ENV):
+def _stub_while_graded(request: pytest.FixtureRequest) -> Iterator[None]:
+    """On a toggle tree with ``EXERCISES_STUB``: stub what the mode says while this graded test runs."""
+    mode = os.environ.get(STUB_ENV)
+    own = set(exercise_ids(request.node))
+    if mode not in STUB_MODES or not own:
         yield
         return
-    toggle.set_stubbed(set(exercise_ids(request.node)))
+    toggle.set_stubbed(own if mode == "own" else set().union(*(stubbed_around(i) for i in own)) - own)
     try:
         yield
     finally:

@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pythonjsonlogger.json import JsonFormatter
 
 from chapters.ch06_tuned_batching.server import build_backend
+from chapters.ch07_production.deadlines import StreamDeadline
 from chapters.ch07_production.request_log import REQUEST_LOG
 from chapters.ch07_production.server import ProductionSettings, build_app
 from shared.generation import reference_greedy
@@ -339,3 +340,65 @@ def test_hot_reload_under_load_fails_nothing_and_unloads_the_old_version(oracle)
     import gc
     gc.collect()
     assert old_model() is None, "the old version's weights are still referenced after its unload"
+
+
+# ----------------------------------------------------------------------- one deadline per stream
+
+
+async def _events(gate: asyncio.Event, before: int):
+    """``before`` events at once, then one more only when ``gate`` opens."""
+    for index in range(before):
+        yield index
+    await gate.wait()
+    yield before
+
+
+def test_a_stream_deadline_passes_events_then_times_out_a_wait_and_leaves_the_task_usable() -> None:
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        within = StreamDeadline(loop.time() + 0.2)
+        events = _events(asyncio.Event(), before=3)
+        assert [await within.next(events) for _ in range(3)] == [0, 1, 2]
+        with pytest.raises(TimeoutError):
+            await within.next(events)  # nothing comes: the deadline cancels the wait
+        assert asyncio.current_task().cancelling() == 0  # the task's own cancellation count is untouched
+        await asyncio.sleep(0)  # and it can await again: no cancellation left pending
+        with pytest.raises(TimeoutError):
+            await within.next(events)  # past the deadline, every later call too
+        await events.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_stream_deadline_that_passes_between_events_is_seen_at_the_next_call() -> None:
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        within = StreamDeadline(loop.time() + 0.05)
+        gate = asyncio.Event()
+        events = _events(gate, before=1)
+        assert await within.next(events) == 0
+        passed = loop.create_future()
+        loop.call_at(within.deadline, passed.set_result, None)
+        await passed  # the deadline passes while nobody waits on the stream
+        gate.set()
+        with pytest.raises(TimeoutError):
+            await within.next(events)
+        await events.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_cancellation_that_is_not_the_deadline_stays_a_cancellation() -> None:
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        within = StreamDeadline(loop.time() + 3600)
+        events = _events(asyncio.Event(), before=0)
+        waiting = asyncio.create_task(within.next(events))
+        await asyncio.sleep(0)  # let it reach the wait
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        within.cancel()
+        await events.aclose()
+
+    asyncio.run(scenario())

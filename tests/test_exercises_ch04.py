@@ -62,9 +62,9 @@ def test_allocations_are_cut_from_the_front_one_after_the_other() -> None:
 @pytest.mark.exercise("ch04.1")
 def test_first_fit_takes_the_lowest_address_that_fits_not_the_tightest() -> None:
     allocator = BlockAllocator(10)
-    wide, _one, narrow, _rest = (allocator.allocate(n) for n in (4, 1, 2, 3))  # [0,4) [4,5) [5,7) [7,10)
-    allocator.free(wide)
-    allocator.free(narrow)
+    # Holes at [0,4) and [5,7) written straight into the free list (its two sorted lists), so that
+    # this exercise is graded without free, which is ch04.2's.
+    allocator._free_starts, allocator._free_sizes, allocator._used_blocks = [0, 5], [4, 2], 4
     assert allocator.free_ranges() == [(0, 4), (5, 2)]
     taken = allocator.allocate(2)
     assert taken.start == 0, "first fit: the hole at 0 comes first (best fit would pick the hole at 5)"

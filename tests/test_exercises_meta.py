@@ -3,7 +3,9 @@ a fully stubbed tree still imports with the same signatures, and READMEs, marker
 
 The per-exercise check runs once for all exercises: a *toggle tree* keeps every solution behind an
 ``if is_stubbed("chNN.k"): raise NotImplementedError(...)``, and the pytest plugin stubs each graded
-test's own exercise while it runs (``EXERCISES_STUB_OWN``). One subprocess instead of one per exercise.
+test's own exercise while it runs (``EXERCISES_STUB=own``). One subprocess instead of one per exercise.
+The course's order (``exercises/course.py``) is checked the same way: ``EXERCISES_STUB=around`` solves
+a graded test's exercise and what it needs, and stubs every other exercise of its chapter and later.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import pytest
 
 from chapters import CHAPTERS
 from exercises.__main__ import main as exercises_main
+from exercises.course import COURSE, STEPS
 from exercises.grading import BLOCKED, NOT_ATTEMPTED, PASSED, grade, run_graded_tests
 from exercises.markers import STUB_ID_IN_TEXT, MarkerError, discover, parse_file
 from exercises.tree import repository_root, student_tree, write_tree
@@ -68,7 +71,7 @@ def test_every_marked_exercise_has_graded_tests_and_every_graded_test_an_exercis
 def test_each_exercises_tests_fail_with_only_it_stubbed_naming_it(tmp_path: Path) -> None:
     tree = tmp_path / "toggle"
     write_tree(ROOT, tree, EXERCISES, toggle=True, only=TREE_PARTS)
-    run = run_graded_tests(tree, EXERCISES, tests_dir=TESTS, stub_own=True)
+    run = run_graded_tests(tree, EXERCISES, tests_dir=TESTS, stub="own")
     assert run.returncode in (0, 1), run.output[-3000:]
     problems = []
     for exercise in EXERCISES:
@@ -81,6 +84,33 @@ def test_each_exercises_tests_fail_with_only_it_stubbed_naming_it(tmp_path: Path
             elif exercise.id not in STUB_ID_IN_TEXT.findall(result["text"]):
                 problems.append(f"{exercise.id}: {nodeid} failed without naming {exercise.id}:\n{result['text'][-800:]}")
     assert problems == [], "\n".join(problems)
+
+
+def test_the_course_plan_orders_every_exercise_once_after_what_it_needs() -> None:
+    ids = [step.id for step in COURSE]
+    assert sorted(ids) == sorted(e.id for e in EXERCISES) and len(set(ids)) == len(ids)
+    assert [i.split(".")[0] for i in ids] == sorted(i.split(".")[0] for i in ids), "chapters in order"
+    for index, step in enumerate(COURSE):
+        for need in step.needs:
+            assert need.split(".")[0] == step.id.split(".")[0] and ids.index(need) < index, (step.id, need)
+
+
+def test_the_instructors_table_is_the_course_plan() -> None:
+    rows = re.findall(r"^\| (ch\d{2}\.\d+) \| .+? \| (.+?) \| (\d+) min \|$", (ROOT / "exercises" / "README.md").read_text(), re.MULTILINE)
+    assert [(i, tuple(a.split(", ")) if a != "—" else (), int(m)) for i, a, m in rows] == \
+        [(step.id, step.needs, step.minutes) for step in COURSE]
+
+
+def test_each_exercise_passes_in_the_courses_order_with_the_rest_of_its_chapter_and_later_stubbed(tmp_path: Path) -> None:
+    tree = tmp_path / "toggle"
+    write_tree(ROOT, tree, EXERCISES, toggle=True, only=TREE_PARTS)
+    run = run_graded_tests(tree, EXERCISES, tests_dir=TESTS, stub="around")
+    assert run.returncode in (0, 1), run.output[-3000:]
+    problems = [f"{', '.join(r['exercises'])}: {nodeid} {r['outcome']} with only it and what it needs "
+                f"({', '.join(sorted({n for i in r['exercises'] for n in STEPS[i].needs})) or 'nothing'}) solved in its chapter:\n"
+                f"{r['text'][-600:]}"
+                for nodeid, r in run.results.items() if r["outcome"] != "passed"]
+    assert len(run.results) >= len(EXERCISES) and problems == [], "\n".join(problems)
 
 
 @pytest.mark.slow  # the default suite runs every graded test on the solution already; this adds the grader's path
@@ -149,6 +179,54 @@ def test_a_fully_stubbed_tree_imports_starts_and_keeps_every_public_signature(tm
     started = subprocess.run([sys.executable, "-m", "chapters.ch02_fastapi_async", "--help"], cwd=tree,
                              env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True, timeout=120)
     assert started.returncode == 0 and "--port" in started.stdout, started.stderr[-2000:]
+
+
+# Each chapter's start-up path (settings, model, pool, engine, batcher or scheduler, the app), up to
+# the moment it would listen: uvicorn's Server.run is replaced by a marker. Chapter 1 builds its
+# Flask app as each gunicorn worker does.
+STARTS = textwrap.dedent(
+    """
+    import importlib, json, sys
+    import uvicorn
+    from chapters import CHAPTERS
+
+    class Listening(Exception):
+        pass
+
+    def listen(self, *args, **kwargs):
+        raise Listening
+
+    uvicorn.Server.run = listen
+    flags = ["--weights", "dummy", "--port", "0", "--log-level", "warning"]
+    started = {}
+    for chapter, folder in CHAPTERS.items():
+        server = importlib.import_module(f"chapters.{folder}.server")
+        try:
+            if chapter == "ch01":
+                server.build_app(server.parse_settings(server.FlaskSyncSettings, flags))
+            else:
+                server.main(flags)
+            started[chapter] = "returned without listening"
+        except Listening:
+            started[chapter] = "listening"
+        except BaseException as exc:
+            started[chapter] = f"{type(exc).__name__}: {exc}"
+        if chapter == "ch01":
+            started[chapter] = started[chapter].replace("returned without listening", "listening")
+    json.dump(started, sys.stdout)
+    """
+)
+
+
+def test_every_chapter_starts_in_a_fully_stubbed_tree(tmp_path: Path) -> None:
+    """``student --all``: a stub on a start-up path has a stand-in (``shared/unwritten.py``), so every chapter starts."""
+    tree = tmp_path / "student-all"
+    student_tree(ROOT, tree, None, only=TREE_PARTS)
+    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1", "SFS_ENGINE_CACHE": str(tmp_path / "engines")}
+    done = subprocess.run([sys.executable, "-c", STARTS], cwd=tree, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    started = json.loads(done.stdout[done.stdout.index("{"):])
+    assert started == {chapter: "listening" for chapter in CHAPTERS}, started
 
 
 def test_a_chapter_3_student_tree_grades_its_exercises_as_not_attempted(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

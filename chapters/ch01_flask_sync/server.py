@@ -27,6 +27,7 @@ from shared.devices import choose_device, set_threads
 from shared.generation import greedy_generate
 from shared.schemas import ValidRequest
 from shared.settings import ServerSettings, parse_settings
+from shared.unwritten import or_meanwhile
 from shared.weights import load_model
 
 
@@ -57,7 +58,8 @@ def torch_threads_per_worker(settings: FlaskSyncSettings) -> int:
 
 def build_app(settings: FlaskSyncSettings) -> Flask:
     """Load the model and wrap it in the Flask app. Runs inside each worker process."""
-    set_threads(torch_threads_per_worker(settings))
+    set_threads(or_meanwhile(lambda: torch_threads_per_worker(settings), lambda: settings.torch_threads,
+                             "each worker keeps torch's default threads"))
     loaded = load_model(settings.weights, settings.preset, choose_device(settings.device), settings.torch_dtype)
     # With the sync worker there is one thread and the lock is never contended. With --threads > 1
     # (gthread) it is what keeps those threads from running the model at the same time: they would

@@ -71,7 +71,7 @@ class MonotonicClock:
     async def wait(self, event: asyncio.Event, timeout: float | None) -> None:
         try:
             await asyncio.wait_for(event.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
 

@@ -45,6 +45,7 @@ from shared.devices import choose_device, set_threads
 from shared.model import ModelConfig
 from shared.schemas import ValidRequest
 from shared.settings import ServerSettings, parse_settings
+from shared.unwritten import or_meanwhile
 from shared.weights import load_model
 
 log = logging.getLogger("chapters.ch04_memory_pool")
@@ -106,7 +107,8 @@ def plan_pool(settings: PoolOptions, concurrency: int, config: ModelConfig, dtyp
         capacity = pool_tokens_by_fraction(settings.pool_fraction, config, dtype, device)
         rule = f"{settings.pool_fraction:.0%} of available {device.type} memory"
     else:
-        capacity = pool_tokens_by_rule(longest, concurrency, settings.pool_headroom)
+        capacity = or_meanwhile(lambda: pool_tokens_by_rule(longest, concurrency, settings.pool_headroom),
+                                lambda: longest * concurrency, "the pool holds every request at the full context, no headroom")
         rule = f"{longest} tokens x {concurrency} requests x {settings.pool_headroom} headroom"
     if capacity < longest:
         raise ValueError(f"a pool of {capacity} token slots cannot hold one request of {longest} positions ({rule})")

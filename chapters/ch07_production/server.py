@@ -47,7 +47,7 @@ from chapters.ch02_fastapi_async.api import Backend, DisconnectCheck, Generated,
 from chapters.ch04_memory_pool.server import AdmissionOptions, PoolOptions
 from chapters.ch05_inference_engine.server import EngineOptions
 from chapters.ch06_tuned_batching.server import TunedBatcherOptions, apply_tuned_config, build_backend
-from chapters.ch07_production.deadlines import TIMEOUT_HEADER, effective_timeout, until_disconnected, within_deadline
+from chapters.ch07_production.deadlines import TIMEOUT_HEADER, StreamDeadline, effective_timeout, until_disconnected, within_deadline
 from chapters.ch07_production.drain import DrainController, DrainingServer
 from chapters.ch07_production.health import ReadinessProbe, request_probe
 from chapters.ch07_production.metrics import StateCollector, StateReader, build_registry, pooled_state
@@ -56,6 +56,7 @@ from chapters.ch07_production.request_log import RequestContext, RequestObserver
 from shared.devices import choose_device, memory_snapshot, set_threads
 from shared.schemas import ApiError, ValidRequest
 from shared.settings import ServerSettings, parse_settings
+from shared.unwritten import or_meanwhile
 from shared.weights import LoadedModel, load_model
 
 log = logging.getLogger("chapters.ch07_production")
@@ -222,14 +223,12 @@ class ProductionBackend:
     async def _streamed(self, inner: AsyncIterator, releases: list[Callable[[], object]], deadline: float, timeout_s: float,
                         context: RequestContext | None) -> AsyncIterator[int | Generated]:
         """``inner``'s events until ``deadline`` (the event loop's clock), then 504; the counts given back at the end."""
+        within = StreamDeadline(deadline)
         try:
             try:
                 while True:
                     try:
-                        # A timer around each wait for the next token (not a task per token, as
-                        # wait_for would make): one call_at per token, on the event loop's clock.
-                        async with asyncio.timeout_at(deadline):
-                            event = await anext(inner)
+                        event = await within.next(inner)
                     except StopAsyncIteration:
                         return
                     except TimeoutError:
@@ -239,6 +238,7 @@ class ProductionBackend:
                         context.backend_done = time.perf_counter()
                     yield event
             finally:
+                within.cancel()
                 await inner.aclose()
         finally:
             for release in releases:
@@ -380,7 +380,8 @@ def serve(app: FastAPI, settings: ServerSettings) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    settings = apply_tuned_config(parse_settings(ProductionSettings, argv, prog="python -m chapters.ch07_production"))
+    settings = parse_settings(ProductionSettings, argv, prog="python -m chapters.ch07_production")
+    settings = or_meanwhile(lambda: apply_tuned_config(settings), lambda: settings, "tuned.json is ignored")
     configure_json_logging(settings.log_level)
     serve(build_app(settings), settings)
 

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from chapters.ch04_memory_pool.memory_pool import BlockRange, KVMemoryPool
 from chapters.ch08_continuous_batching.block_manager import BlockManager
+from shared.unwritten import or_meanwhile
 
 
 KV_CACHE_DTYPES = Literal["auto", "fp32", "bf16"]
@@ -63,9 +64,12 @@ class PagedKVStore:
         self.config = pool.config
         self.block_tokens = pool.block_tokens
         # One range, every block: from now on this store decides who holds which block.
-        self._lease: BlockRange | None = pool.allocator.allocate(pool.allocator.total_blocks)
-        self.manager = BlockManager(self._lease.n_blocks, pool.block_tokens)
-        self.first_block = self._lease.start  # 0 in practice: the pool was empty
+        self._lease: BlockRange | None = or_meanwhile(
+            lambda: pool.allocator.allocate(pool.allocator.total_blocks), lambda: None,
+            "the paged store uses the pool without recording it in chapter 4's ledger")
+        n_blocks = self._lease.n_blocks if self._lease is not None else pool.allocator.total_blocks
+        self.manager = BlockManager(n_blocks, pool.block_tokens)
+        self.first_block = self._lease.start if self._lease is not None else 0  # 0 in practice: the pool was empty
         self._first_slot = self.first_block * pool.block_tokens
 
     @property

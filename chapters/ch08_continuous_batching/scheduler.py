@@ -280,6 +280,14 @@ class ContinuousScheduler:
         False when ``seq`` had to be preempted itself. Only called for decodes: the victims come
         from the tail of ``running``, which no earlier decode row of this step belongs to.
         """
+        if self.manager.can_grow_to(seq.seq_id, n_tokens):  # the common case: no one is preempted
+            self.manager.grow_to(seq.seq_id, n_tokens)
+            return True
+        return self._preempt_for(seq, n_tokens)
+
+    def _preempt_for(self, seq: Sequence, n_tokens: int) -> bool:
+        """Preempt the newest running sequences until ``seq`` can grow to ``n_tokens``, then grow it;
+        False when ``seq`` itself, the newest, had to go."""
         # EXERCISE ch08.3 BEGIN "preemption by recompute: free the newest sequence's blocks while short"
         while not self.manager.can_grow_to(seq.seq_id, n_tokens):
             victim = self.running[-1]

@@ -52,11 +52,12 @@ from chapters.ch08_continuous_batching.step_thread import StepThread
 from chapters.ch08_continuous_batching.continuous_metrics import ContinuousCollector
 from chapters.ch08_continuous_batching.model_runner import ModelRunner, PackedModel, packed_model
 from chapters.ch08_continuous_batching.openai_api import CompletionsApi
-from chapters.ch08_continuous_batching.paged_attention import ATTENTION_CHOICES, choose_attention
+from chapters.ch08_continuous_batching.paged_attention import ATTENTION_CHOICES, BACKENDS, choose_attention
 from chapters.ch08_continuous_batching.paged_cache import KV_CACHE_DTYPES, KV_CACHE_RULE, PagedKVStore, kv_cache_dtype
 from chapters.ch08_continuous_batching.scheduler import ContinuousScheduler, KVPolicy, SchedulerConfig
 from chapters.ch08_continuous_batching.streaming import write_sse_stream
 from shared.settings import ServerSettings, parse_settings
+from shared.unwritten import or_meanwhile
 from shared.weights import LoadedModel
 
 log = logging.getLogger("chapters.ch08_continuous_batching")
@@ -112,7 +113,8 @@ def build_backend(settings: ContinuousSettings, loaded: LoadedModel,
         store.manager.total_blocks, store.block_tokens, dtype_name, pool.stats().bytes_total / 2**20, pool.device,
         plan.rule, settings.kv_policy,
     )
-    attention = choose_attention(settings.attention, store, model, settings.max_num_seqs)
+    attention = or_meanwhile(lambda: choose_attention(settings.attention, store, model, settings.max_num_seqs),
+                             lambda: BACKENDS["gather"](store), "attention is gather, not warmed up")
     scheduler = ContinuousScheduler(store, settings.scheduler_config())
     runner = ModelRunner(wrap_model(model) if wrap_model else model, store, attention)
     description = {"model": loaded.source, "kv_policy": settings.kv_policy, "pool_rule": plan.rule,
