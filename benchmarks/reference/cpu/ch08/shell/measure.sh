@@ -29,14 +29,14 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
   python -m benchmarks.streaming run --url http://127.0.0.1:8102 --users 64 --duration-s 30 --workload default \
       --out "$out/in-shell-round$round.json" >/dev/null
 done
-python - "$out" "$before" <<'PY'
+python - "$out" "$before" "$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- chapters shared || echo '+changes')" <<'PY'
 import json, statistics, sys
 from pathlib import Path
-out, before = Path(sys.argv[1]), sys.argv[2]
+out, before, after = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 runs = {kind: [json.loads(p.read_text()) for p in sorted(out.glob(f"{kind}-round*.json"))] for kind in ("without-shell", "in-shell")}
 qps = {kind: statistics.median(r["qps"] for r in rs) for kind, rs in runs.items()}
 p99 = {kind: statistics.median(r["e2e_ms"]["p99"] for r in rs) for kind, rs in runs.items()}
-lines = [f"chapter 8 without the shell (commit {before}) against chapter 8 in chapter 7's shell, 64 users, default workload, "
+lines = [f"chapter 8 without the shell (commit {before}) against chapter 8 in chapter 7's shell (commit {after}), 64 users, default workload, "
          f"median of {len(runs['in-shell'])} interleaved rounds",
          "rounds (QPS): without " + ", ".join(f"{r['qps']:.1f}" for r in runs["without-shell"])
          + "; in shell " + ", ".join(f"{r['qps']:.1f}" for r in runs["in-shell"]),
