@@ -53,9 +53,9 @@ COURSE: tuple[Step, ...] = (
 STEPS = {step.id: step for step in COURSE}
 
 
-def stubbed_around(exercise_id: str) -> frozenset[str]:
-    """What the order-check stubs while ``exercise_id``'s graded tests run: every exercise of its
-    chapter and of later chapters except it and what it needs."""
-    step = STEPS[exercise_id]
-    chapter = exercise_id.split(".")[0]
-    return frozenset(s.id for s in COURSE if s.id.split(".")[0] >= chapter and s.id not in {exercise_id, *step.needs})
+def stubbed_around(exercise_ids: set[str] | frozenset[str]) -> frozenset[str]:
+    """What the order check stubs while a graded test of ``exercise_ids`` runs: every exercise of
+    their chapters and of later chapters except them and what they need."""
+    keep = set(exercise_ids).union(*(STEPS[i].needs for i in exercise_ids))
+    first = min(i.split(".")[0] for i in exercise_ids)
+    return frozenset(s.id for s in COURSE if s.id.split(".")[0] >= first and s.id not in keep)

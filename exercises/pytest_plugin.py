@@ -102,7 +102,7 @@ def _stub_while_graded(request: pytest.FixtureRequest) -> Iterator[None]:
     if mode not in STUB_MODES or not own:
         yield
         return
-    toggle.set_stubbed(own if mode == "own" else set().union(*(stubbed_around(i) for i in own)) - own)
+    toggle.set_stubbed(own if mode == "own" else stubbed_around(own))
     try:
         yield
     finally:

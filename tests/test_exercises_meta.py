@@ -27,6 +27,7 @@ from exercises.course import COURSE, STEPS
 from exercises.grading import BLOCKED, NOT_ATTEMPTED, PASSED, grade, run_graded_tests
 from exercises.markers import STUB_ID_IN_TEXT, MarkerError, discover, parse_file
 from exercises.tree import repository_root, student_tree, write_tree
+from shared.unwritten import or_meanwhile
 
 ROOT = repository_root()
 TESTS = ROOT / "tests"
@@ -179,6 +180,22 @@ def test_a_fully_stubbed_tree_imports_starts_and_keeps_every_public_signature(tm
     started = subprocess.run([sys.executable, "-m", "chapters.ch02_fastapi_async", "--help"], cwd=tree,
                              env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True, timeout=120)
     assert started.returncode == 0 and "--port" in started.stdout, started.stderr[-2000:]
+
+
+def test_only_an_exercises_stub_gets_a_start_up_stand_in() -> None:
+    """``or_meanwhile`` swaps in its stand-in for what a student tree's stub raises, and for nothing else."""
+    for exercise in EXERCISES:
+        def stub(message: str = exercise.stub_message) -> int:
+            raise NotImplementedError(message)
+
+        assert or_meanwhile(stub, lambda: 7, "seven") == 7, exercise.id
+
+    def missing_kernel() -> int:
+        raise NotImplementedError("Could not run 'aten::foo' with arguments from the 'QuantizedCPU' backend")
+
+    with pytest.raises(NotImplementedError, match="aten::foo"):
+        or_meanwhile(missing_kernel, lambda: 7, "seven")
+    assert or_meanwhile(lambda: 3, lambda: 7, "seven") == 3
 
 
 # Each chapter's start-up path (settings, model, pool, engine, batcher or scheduler, the app), up to
