@@ -15,9 +15,11 @@ from benchmarks.report import ReportFiles, write_report
 from benchmarks.results import OPEN_LOOP_DIR, REFERENCE_ROOT, load_open_loop_result, load_result
 
 
-def save_reference(result_files: Sequence[Path], profile: str, reference_root: Path = REFERENCE_ROOT) -> list[ReportFiles]:
+def save_reference(result_files: Sequence[Path], profile: str, reference_root: Path = REFERENCE_ROOT,
+                   allow_dirty: bool = False) -> list[ReportFiles]:
     """Copy ``result_files`` (validated) to ``<reference_root>/<profile>/`` (open-loop sweeps to its
-    ``openloop/``) and rewrite the report there.
+    ``openloop/``) and rewrite the report there. A result measured on a tree that differed from its
+    commit is refused (ValueError) unless ``allow_dirty``: the reference must name code that exists.
 
     Returns the regenerated report of every workload the copied files belong to.
     """
@@ -31,6 +33,10 @@ def save_reference(result_files: Sequence[Path], profile: str, reference_root: P
             result, target = load_open_loop_result(path), destination / OPEN_LOOP_DIR  # an open-loop sweep
         if result.profile != profile:
             raise ValueError(f"{path} is a {result.profile!r} result, not {profile!r}")
+        if result.environment.git_dirty and not allow_dirty:
+            # A reference names the code it measured: a commit a reader can check out, not a working tree since gone.
+            raise ValueError(f"{path} was measured on a working tree that differed from commit "
+                             f"{(result.environment.git_commit or '?')[:10]}: commit first, then measure")
         target.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, target / Path(path).name)
         workloads.add(result.workload)

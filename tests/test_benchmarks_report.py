@@ -5,6 +5,7 @@ No server, no Locust, no timing: every expected figure below is worked out by ha
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -249,6 +250,39 @@ def test_save_reference_copies_results_and_redraws_the_report(tmp_path: Path):
     assert (reference / "climb.png").exists() and (reference / "latency_vs_load.png").exists()
     with pytest.raises(ValueError):
         save_reference([paths["ch01"]], "gpu", reference_root=tmp_path / "reference")  # a cpu result is no gpu reference
+
+
+def test_save_reference_refuses_a_result_of_an_uncommitted_tree(tmp_path: Path):
+    path = write_synthetic_climb(tmp_path / "results" / "cpu")["ch01"]
+    result = load_result(path)
+    dirty = result.model_copy(update={"environment": result.environment.model_copy(update={"git_dirty": True})})
+    path.write_text(dirty.model_dump_json())
+    with pytest.raises(ValueError, match="commit first"):
+        save_reference([path], "cpu", reference_root=tmp_path / "reference")
+    assert not (tmp_path / "reference" / "cpu" / "ch01.json").exists()
+    save_reference([path], "cpu", reference_root=tmp_path / "reference", allow_dirty=True)
+
+
+def _recorded_commits(value) -> set[str]:
+    """Every ``git_commit`` value anywhere in a JSON document."""
+    if isinstance(value, dict):
+        found = {value["git_commit"]} if isinstance(value.get("git_commit"), str) else set()
+        return found.union(*(_recorded_commits(v) for v in value.values()))
+    if isinstance(value, list):
+        return set().union(*(_recorded_commits(v) for v in value))
+    return set()
+
+
+def test_every_reference_file_names_a_commit_of_this_history():
+    """A reader can check out the code a committed figure measured (the synthetic zeros aside)."""
+    reference = Path(__file__).resolve().parents[1] / "benchmarks" / "reference"
+    missing = {}
+    for path in sorted(reference.rglob("*.json")):
+        for commit in _recorded_commits(json.loads(path.read_text())) - {"0" * 40}:
+            known = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=reference, capture_output=True)
+            if known.returncode != 0:
+                missing.setdefault(commit[:10], []).append(str(path.relative_to(reference)))
+    assert not missing, f"reference files name commits that are not in this history: {missing}"
 
 
 # ---------------------------------------------------------------- profiles and workload
