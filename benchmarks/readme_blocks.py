@@ -204,11 +204,14 @@ def streaming_block(directory: Path) -> str:
 
     lines = ["| workload | chapter | users | QPS | tokens/s | TTFT P50 / P99 (ms) | TPOT P50 (ms) | total P50 / P99 (ms) | errors |",
              "|---|---|---|---|---|---|---|---|---|"]
+    from benchmarks.streaming import describe_harness
+
     files = sorted((directory / "streaming").glob("*.json")) if (directory / "streaming").exists() else []
-    commands = []
+    commands, settings = [], set()
     for path in files:
         run = json.loads(path.read_text())
         commands.append(f"`{run['command']}`")
+        settings.add(describe_harness(run.get("harness")))
         for chapter, figures in run["chapters"].items():
             errors = sum(figures["errors"].values())
             lines.append(
@@ -219,7 +222,8 @@ def streaming_block(directory: Path) -> str:
         return ("*No streaming comparison yet: `python -m benchmarks.streaming compare --chapters ch06 ch08 --workload mixed "
                 f"--out {_repo_path(directory)}/streaming/mixed.json` records one.*")
     return "\n".join(lines) + "\n\nReproduce: " + "; ".join(commands) + (
-        ". A non-streamed answer's first token arrives with its last, so chapter 6's TTFT is its total time.")
+        ". How the servers ran: " + "; ".join(sorted(settings)) + ". This client (not Locust) sends the requests "
+        "and reads the streams. A non-streamed answer's first token arrives with its last, so chapter 6's TTFT is its total time.")
 
 
 def kv_share_block(directory: Path) -> str:
@@ -235,7 +239,8 @@ def kv_share_block(directory: Path) -> str:
         run = json.loads(path.read_text())
         share = "—" if run["written_share_mean"] is None else f"{run['written_share_mean']:.0%}"
         lines.append(f"| {run['label']} | {run['layout']} | {run['users']} | {run['reserved_share_mean']:.0%} | {share} | {run['answered']} |")
-    return "\n".join(lines) + "\n\nReproduce: `bash benchmarks/kv_share.sh` (the commit before one ledger, then this one; loopback only)."
+    return "\n".join(lines) + ("\n\nReproduce: `bash benchmarks/kv_share.sh` (the commit before one ledger, then this one; loopback "
+                                     "only; the script pins the server to core 0 with one torch thread and its client to core 1).")
 
 
 def packed_step_profile_block(directory: Path) -> str:
@@ -263,23 +268,22 @@ def packed_step_profile_block(directory: Path) -> str:
         "\n\nReproduce: `python -m benchmarks.profile_ch08 --attention A --precision P --kv-cache-dtype K --workload W` (each file's first "
         "lines; the rest is cProfile's report of the same steps, sorted by internal time). The `before` file's first line "
         "names its command: the profiler of the commit before the packed step, whose figure is taken under cProfile "
-        "(so it ran somewhat faster than it reads).")
+        "(so it ran somewhat faster than it reads). One process, no client and no server: nothing to pin.")
 
 
 def side_by_side_block(directory: Path) -> str:
     """Chapter 6 against chapter 8, several rounds of ``benchmarks.streaming compare`` (``<dir>/ch08/side-by-side/*.json``):
     the median of the rounds per chapter, and chapter 8's over chapter 6's."""
     return chapter_pair_block(directory / "ch08" / "side-by-side", "ch06", "ch08", (
-        ". Both servers at their defaults (chapter 5's engine by its rule, chapter 8's attention by its rule); "
-        "client and server share the machine's two cores unpinned. P99 is of the whole answer; chapter 8 streams."))
+        ". Both servers at their defaults (chapter 5's engine by its rule, chapter 8's attention by its rule). "
+        "P99 is of the whole answer; chapter 8 streams."))
 
 
 def deploy_block(directory: Path) -> str:
     """Chapter 7 against chapter 8 at the same load (``<dir>/ch08/deploy/*.json``): the two servers one would deploy."""
     return chapter_pair_block(directory / "ch08" / "deploy", "ch07", "ch08", (
-        ". Both servers at their defaults, each inside chapter 7's production shell; client and server share the "
-        "machine's two cores unpinned. QPS: answers per second; P99: of the whole answer (ms); TTFT: chapter 8's time to "
-        "its first streamed token (ms; chapter 7 answers all at once)."))
+        ". Both servers at their defaults, each inside chapter 7's production shell. QPS: answers per second; P99: of "
+        "the whole answer (ms); TTFT: chapter 8's time to its first streamed token (ms; chapter 7 answers all at once)."))
 
 
 def chapter_pair_block(folder: Path, base: str, other: str, note: str) -> str:
@@ -308,8 +312,12 @@ def chapter_pair_block(folder: Path, base: str, other: str, note: str) -> str:
         errors = sum(sum(f["errors"].values()) for run in runs for f in run["chapters"].values())
         lines.append(f"| {workload} | {users} | {len(runs)} | {qps_base:.1f} | {qps_other:.1f} | {qps_other / qps_base:.2f}× "
                      f"| {p99_base:,.0f} | {p99_other:,.0f} | {p99_other / p99_base:.2f}× | {ttft:,.0f} | {errors} |")
+    from benchmarks.streaming import describe_harness
+
     commands = sorted({f"`{json.loads(path.read_text())['command']}`" for path in files})
-    return "\n".join(lines) + "\n\nReproduce (one file per round; the rounds alternate workloads): " + "; ".join(commands) + note
+    settings = sorted({describe_harness(json.loads(path.read_text()).get("harness")) for path in files})
+    return ("\n".join(lines) + "\n\nReproduce (one file per round; the rounds alternate workloads): " + "; ".join(commands)
+            + note + " How they ran: " + "; ".join(settings) + ".")
 
 
 def render_key(key: str, results: Mapping[str, BenchmarkResult], directory: Path, readme: Path, profile: str) -> str:

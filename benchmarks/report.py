@@ -291,14 +291,13 @@ def _knee_cell(row: TableRow) -> str:
     return str(row.knee_users) if row.knee_reached else f"> {row.knee_users}"
 
 
-def _top_cell(row: TableRow) -> str:
-    return "—" if row.p99_top_ms is None else f"{_fmt(row.p99_top_ms)} @ {row.top_users}"
-
-
 TABLE_HEADER = (
-    "| chapter | QPS | P50 (ms) | P99 (ms) | tokens/s | users | P99 at top load (ms) | saturates at (users) | errors | × ch01 "
+    "| chapter | QPS | tokens/s | at users | P50 (ms) | P99 (ms) | at users | saturates at (users) | errors | × ch01 "
     "| article QPS | article P99 (ms) | article × ch01 |"
 )
+# Latencies compare only at equal load: every chapter's P50/P99 at the same (top) level, never at its own best.
+TABLE_NOTE = ("QPS and tokens/s at each chapter's best level (the first `at users`); P50 and P99 at the top load, "
+              "the same number of users for every chapter (the second `at users`).")
 
 
 def render_rows(rows: Sequence[TableRow]) -> list[str]:
@@ -306,8 +305,8 @@ def render_rows(rows: Sequence[TableRow]) -> list[str]:
     for row in rows:
         if row.measured:
             cells = [
-                row.label, _fmt(row.qps, 1), _fmt(row.p50_ms), _fmt(row.p99_ms), _fmt(row.tokens_per_s),
-                str(row.users), _top_cell(row), _knee_cell(row), _errors_cell(row),
+                row.label, _fmt(row.qps, 1), _fmt(row.tokens_per_s), str(row.users), _fmt(row.p50_top_ms),
+                _fmt(row.p99_top_ms), str(row.top_users), _knee_cell(row), _errors_cell(row),
                 _fmt(row.ratio_to_baseline, 2, "×"),
             ]
         else:
@@ -394,6 +393,10 @@ def warnings_for(results: Mapping[str, BenchmarkResult]) -> list[str]:
     profiles = {r.config.profile for r in results.values()}
     if len(profiles) > 1:
         warnings.append(f"the results come from different profiles ({', '.join(sorted(profiles))}): they do not compare.")
+    tops = {r.label: max(lvl.users for lvl in r.levels) for r in results.values() if r.label == r.chapter and r.levels}
+    if len(set(tops.values())) > 1:
+        listed = ", ".join(f"{label} {users}" for label, users in sorted(tops.items()))
+        warnings.append(f"the chapters' top loads differ ({listed}): their P50/P99 columns are not at the same load.")
     commits = {(r.environment.git_commit, r.environment.git_dirty) for r in results.values()}
     if len(commits) > 1:
         warnings.append("the results come from different commits (or dirty trees): compare with care.")
@@ -538,7 +541,7 @@ def render_table(
 ) -> str:
     """The whole markdown report: table, variants, the same-load comparisons, the open loop, where it
     ran, the calibration (lines from :func:`render_calibration`), the ceiling, warnings."""
-    lines = render_rows(build_rows(results, chapters, missing_notes))
+    lines = render_rows(build_rows(results, chapters, missing_notes)) + ["", TABLE_NOTE]
     lines += render_variants(build_variant_rows(results))
     lines += render_same_load(results)
     lines += render_open_loop(open_results or {})

@@ -25,6 +25,10 @@ ends, for ``--duration-s`` seconds; loopback only, bounded in time.
 
 ``compare`` runs every chapter at the same number of users (equal load); its JSON, one file per
 workload under ``<results dir>/streaming/``, is what ``notebooks/ch08_continuous_batching.ipynb`` plots.
+``--profile cpu`` gives every server what the climb gives it (the profile's model flags, one torch
+thread, its thread variables, pinned to the server's cores) and pins this client to the load
+generator's core, so its figures compare with the climb's; without it, each server runs at its own
+defaults and shares every core with the client. The JSON records which (``harness``).
 """
 
 from __future__ import annotations
@@ -178,11 +182,53 @@ def summarize(records: list[RequestRecord], window_s: float, slo_ttft_ms: float 
 
 
 def compare_document(workload: str, users: int, duration_s: float, chapters: dict[str, dict[str, Any]],
-                     command: str, server_args: str = "") -> dict[str, Any]:
-    """The JSON ``compare`` writes: each chapter's :func:`summarize` (plus ``streamed``) at the same load."""
+                     command: str, server_args: str = "", harness: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The JSON ``compare`` writes: each chapter's :func:`summarize` (plus ``streamed``) at the same load.
+
+    ``harness``: how the servers ran (:func:`harness_settings`); absent in files written before it was
+    recorded, which ran every server at its defaults, unpinned."""
     return {"kind": "streaming-compare", "schema": 1, "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
             "command": command, "workload": workload, "users": users, "duration_s": duration_s,
-            "server_args": server_args, "chapters": chapters}
+            "server_args": server_args, "harness": harness or unpinned_harness(), "chapters": chapters}
+
+
+def unpinned_harness() -> dict[str, Any]:
+    """What ``compare`` without ``--profile`` does (and what every file before ``harness`` was recorded did)."""
+    return {"profile": None, "pinning": False, "server_cores": None, "client_cores": None, "server_env": {},
+            "git_commit": None}
+
+
+def harness_settings(profile_name: str | None) -> tuple[dict[str, Any], list[str], dict[str, str]]:
+    """``(the document's harness block, flags for every server, environment for every server)`` for a profile.
+
+    With a profile: its model flags, torch threads and thread variables, and its core plan (the client
+    pins itself to the load generator's cores here). Without one: nothing added, nothing pinned.
+    """
+    if profile_name is None:
+        return unpinned_harness(), [], {}
+    import os
+
+    from benchmarks.environment import git_state
+    from benchmarks.profiles import get_profile
+
+    profile = get_profile(profile_name)
+    server_cores, client_cores = profile.core_plan()
+    if client_cores:
+        os.sched_setaffinity(0, set(client_cores))
+    commit, dirty = git_state()
+    harness = {"profile": profile.name, "pinning": bool(server_cores), "server_cores": server_cores,
+               "client_cores": client_cores, "server_env": profile.server_env(), "git_commit": commit, "git_dirty": dirty}
+    return harness, profile.server_args(), profile.server_env()
+
+
+def describe_harness(harness: dict[str, Any] | None) -> str:
+    """One sentence on how a comparison ran, for the tables that quote it."""
+    harness = harness or unpinned_harness()
+    if not harness.get("profile"):
+        return "every server at its own defaults; client and server unpinned, sharing every core"
+    where = (f"server pinned to cores {harness['server_cores']}, client to {harness['client_cores']}" if harness["pinning"]
+             else "no core pinning (fewer than two cores)")
+    return f"the climb's `{harness['profile']}` profile settings for every server; {where}"
 
 
 def _run(args: argparse.Namespace, url: str, stream: bool) -> dict[str, Any]:
@@ -211,6 +257,8 @@ def main(argv: list[str] | None = None) -> None:
     compare = sub.choices["compare"]
     compare.add_argument("--chapters", nargs="+", default=["ch06", "ch08"])
     compare.add_argument("--server-args", default="", help="extra flags for every server")
+    compare.add_argument("--profile", choices=("cpu",), default=None,
+                         help="run every server as the climb's profile does (flags, threads, pinned cores)")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     if args.users < 1 or args.duration_s <= 0:
@@ -223,8 +271,9 @@ def main(argv: list[str] | None = None) -> None:
     else:
         from benchmarks.server_process import running_module
 
+        harness, profile_args, server_env = harness_settings(args.profile)
         result = compare_document(args.workload, args.users, args.duration_s, {},
-                                  " ".join(["python -m benchmarks.streaming", *argv]), args.server_args)
+                                  " ".join(["python -m benchmarks.streaming", *argv]), args.server_args, harness)
         for chapter in args.chapters:
             module = "chapters.ch08_continuous_batching" if chapter == "ch08" else None
             if module is None:
@@ -232,7 +281,8 @@ def main(argv: list[str] | None = None) -> None:
 
                 module = module_for(chapter)
             streams = chapter == "ch08"
-            with running_module(module, args.server_args.split(), name=chapter) as server:
+            with running_module(module, [*profile_args, *args.server_args.split()], name=chapter, env=server_env,
+                                cpu_cores=harness["server_cores"]) as server:
                 result["chapters"][chapter] = {"streamed": streams, **_run(args, server.url, streams)}
     text = json.dumps(result, indent=2)
     print(text)

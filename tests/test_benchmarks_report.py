@@ -136,10 +136,11 @@ def test_build_rows_takes_figures_at_the_highest_qps_level():
 
 def test_render_table_rows():
     table = render_table(_climb(), ["ch01", "ch02", "ch03"], {"ch03": "not built yet"})
-    # P99 at the top load: the 64-user level of each (3,300 and 2,700 ms), the same load for both
+    # QPS at the best level (8 users for both); P50/P99 at the top load, the 64-user level of each
+    # (3,000/3,300 and 2,560/2,700 ms), the same load for both, never each one's best level (380/420 for ch01)
     # saturation: ch01 reaches 90 % of its best (21) at one user (20); ch02 (best 25) at 8 users
-    assert "| ch01 | 21.0 | 380 | 420 | 672 | 8 | 3,300 @ 64 | 1 | 0 | 1.00× | 12 | 3,500 | 1.00× |" in table
-    assert "| ch02 | 25.0 | 320 | 360 | 800 | 8 | 2,700 @ 64 | 8 | 3 (429: 3) | 1.19× | 28 | 1,800 | 2.33× |" in table
+    assert "| ch01 | 21.0 | 672 | 8 | 3,000 | 3,300 | 64 | 1 | 0 | 1.00× | 12 | 3,500 | 1.00× |" in table
+    assert "| ch02 | 25.0 | 800 | 8 | 2,560 | 2,700 | 64 | 8 | 3 (429: 3) | 1.19× | 28 | 1,800 | 2.33× |" in table
     assert "| ch03 | *not built yet* | — | — | — | — | — | — | — | — | 95 | 600 | 7.92× |" in table
 
 
@@ -149,8 +150,14 @@ def test_table_without_baseline_has_no_ratio_and_lists_variants():
         "ch02-wide": synthetic_result("ch02", [SyntheticLevel(1, 50, 10, 20)], label="ch02-wide"),
     }
     table = render_table(results, ["ch01", "ch02"], {"ch01": "not built yet"})
-    assert "| ch02 | 25.0 | 320 | 360 | 800 | 8 | 2,700 @ 64 | 8 | 3 (429: 3) | — |" in table
+    assert "| ch02 | 25.0 | 800 | 8 | 2,560 | 2,700 | 64 | 8 | 3 (429: 3) | — |" in table
     assert "| ch02-wide | ch02 | 50.0 | 10 | 20 | 1 | 0 | 2.00× |" in table  # 50 / 25 of its own chapter
+
+
+def test_warnings_name_chapters_whose_top_loads_differ():
+    results = {**_climb(), "ch03": synthetic_result("ch03", [SyntheticLevel(1, 20, 50, 60), SyntheticLevel(32, 40, 800, 900)])}
+    assert any("top loads differ (ch01 64, ch02 64, ch03 32)" in w for w in warnings_for(results))
+    assert not any("top loads" in w for w in warnings_for(_climb()))
 
 
 def test_warnings_name_a_busy_load_generator_and_small_samples():
@@ -377,6 +384,13 @@ def test_the_streaming_block_is_written_from_the_comparison_files(tmp_path: Path
     for chapter, figures in mixed["chapters"].items():
         assert f"| mixed | {chapter} | {mixed['users']} | {figures['qps']:.1f} |" in block
     assert mixed["command"] in block
+    # how the servers ran is stated from the files: pinned with the climb's settings, or each at its defaults
+    assert "unpinned" in block
+    pinned = {"profile": "cpu", "pinning": True, "server_cores": [0], "client_cores": [1], "server_env": {}}
+    (tmp_path / "streaming" / "mixed.json").write_text(json.dumps({**mixed, "harness": pinned}))
+    (tmp_path / "streaming" / "default.json").unlink(missing_ok=True)
+    block = streaming_block(tmp_path)
+    assert "server pinned to cores [0], client to [1]" in block and "unpinned" not in block
 
 
 def test_a_labelled_run_gets_its_own_bar_in_its_chapter_on_the_climb_chart(tmp_path: Path):
