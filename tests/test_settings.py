@@ -23,11 +23,13 @@ from chapters.ch05_inference_engine.server import EngineSettings
 from chapters.ch06_tuned_batching.server import TUNED_FIELDS, TunedSettings
 from chapters.ch07_production.server import ProductionSettings
 from chapters.ch08_continuous_batching.server import ContinuousSettings
+from chapters.ch09_scale_out.server import ScaleOutSettings
 from shared.settings import ServerSettings, parse_settings
 
 CHAPTER_SETTINGS = {
     "ch01": FlaskSyncSettings, "ch02": ServerSettings, "ch03": BatchingSettings, "ch04": PoolSettings,
     "ch05": EngineSettings, "ch06": TunedSettings, "ch07": ProductionSettings, "ch08": ContinuousSettings,
+    "ch09": ScaleOutSettings,
 }
 TUNED_FROM = {"ch06", "ch07"}  # the chapters whose batcher defaults are chapter 6's tuned ones
 

@@ -1,0 +1,14 @@
+"""Chapter 9: chapter 8's server past one process, on Ray Serve.
+
+Ray on one machine is kept on loopback. Ray takes the machine's network address as the node's
+address (``--node-ip-address 127.0.0.1`` is not honoured: Ray swaps loopback for that address), and
+its servers listen there. ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is Ray's own single-machine mode
+(its default on laptops): the node's address is 127.0.0.1. Ray reads it once, when it is first
+imported, and every Ray process inherits it, so it is set here, before anything of this chapter
+imports Ray, unless ``SFS_RAY_ADDRESS`` names a cluster to join.
+"""
+
+import os
+
+if not os.environ.get("SFS_RAY_ADDRESS"):
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")

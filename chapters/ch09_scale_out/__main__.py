@@ -1,0 +1,3 @@
+from chapters.ch09_scale_out.server import main
+
+main()

@@ -1,0 +1,80 @@
+"""Chapter 9: chapter 8's server past one process, on Ray Serve.
+
+``python -m chapters.ch09_scale_out`` starts a Ray cluster on this machine (loopback only,
+:mod:`~chapters.ch09_scale_out.cluster`), Serve's HTTP proxy on ``--host``/``--port``, and
+``--num-replicas`` copies of chapter 8's server (:mod:`~chapters.ch09_scale_out.replica`). A request
+reaches the proxy, Serve's router picks a replica (by default: of two replicas drawn at random, the
+one with fewer requests in flight), and the replica answers as chapter 8 would, streams included.
+SIGTERM or Ctrl-C stops Serve, which drains every replica, then Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+
+from pydantic import Field
+from pydantic_settings import BaseSettings
+from ray import serve
+
+from chapters.ch04_memory_pool.server import PoolOptions
+from chapters.ch05_inference_engine.server import EngineOptions
+from chapters.ch07_production.request_log import configure_json_logging
+from chapters.ch07_production.server import ProductionOptions
+from chapters.ch08_continuous_batching.server import ContinuousSettings, SchedulerOptions
+from chapters.ch09_scale_out.cluster import local_cluster
+from chapters.ch09_scale_out.replica import ContinuousReplica, deployment_options
+from shared.settings import ServerSettings, parse_settings
+
+log = logging.getLogger("chapters.ch09_scale_out")
+APP_NAME = "ch09"
+
+
+class ReplicaOptions(BaseSettings):
+    """How many copies of chapter 8's server, what each reserves, which cluster."""
+
+    model_config = ServerSettings.model_config
+
+    num_replicas: int = Field(1, ge=1, description="copies of chapter 8's server behind Serve's proxy")
+    replica_cpus: float = Field(1.0, gt=0, description="CPUs Ray reserves for each replica (fractions share a core)")
+    ray_address: str = Field("", description="join this Ray cluster (e.g. auto); empty: start one on this machine, loopback only")
+    ray_dashboard: bool = Field(False, description="start Ray's dashboard with the local cluster (about 1 GB of memory)")
+
+
+class ScaleOutSettings(ReplicaOptions, SchedulerOptions, PoolOptions, EngineOptions, ProductionOptions, ServerSettings):
+    """Chapter 8's knobs (each replica gets them all: :class:`ContinuousSettings`) and the replicas'."""
+
+
+def replica_settings(settings: ScaleOutSettings) -> dict:
+    """What every replica is built from: chapter 8's settings, nothing of the cluster's."""
+    return ContinuousSettings.model_validate(settings.model_dump(include=set(ContinuousSettings.model_fields))).model_dump()
+
+
+def build_application(settings: ScaleOutSettings):
+    """The Serve application: ``--num-replicas`` replicas of chapter 8's server with options from its limits."""
+    options = deployment_options(settings, settings.num_replicas, settings.replica_cpus)
+    return ContinuousReplica.options(**options).bind(replica_settings(settings))
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings = parse_settings(ScaleOutSettings, argv, prog="python -m chapters.ch09_scale_out")
+    configure_json_logging(settings.log_level)
+    port = settings.port or _free_port(settings.host)
+    stop = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop)  # delivered to sigwait below, not to Ray's threads
+    with local_cluster(settings.host, port, address=settings.ray_address, dashboard=settings.ray_dashboard):
+        serve.run(build_application(settings), name=APP_NAME, route_prefix="/", blocking=False)
+        log.info("serving %d replica(s) on http://%s:%d", settings.num_replicas, settings.host, port)
+        received = signal.sigwait(stop)
+        log.info("%s: stopping Serve (each replica drains), then Ray", signal.Signals(received).name)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""Chapter 9 as a learner runs it: ``python -m chapters.ch09_scale_out`` (a local Ray cluster, Serve's
+proxy, two replicas of chapter 8's server) on loopback, started once for the module and stopped with
+SIGTERM by the fixture; Ray's start-up is paid once.
+
+Through the proxy a replica answers exactly as chapter 8 does: the oracle's tokens, whole or
+streamed, and the OpenAI routes to the official client. Nothing the process tree opened listens
+beyond 127.0.0.1, and once it stops no process of it is left.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import httpx
+import psutil
+import pytest
+
+from benchmarks.server_process import running_module
+from chapters.ch08_continuous_batching.server import ContinuousSettings
+from chapters.ch09_scale_out.replica import deployment_options, replica_health
+from chapters.ch09_scale_out.server import ReplicaOptions, ScaleOutSettings, replica_settings
+
+MODULE = "chapters.ch09_scale_out"
+ARGS = ["--num-replicas", "2", "--replica-cpus", "0.5", "--device", "cpu", "--precision", "fp32", "--attention", "gather",
+        "--torch-threads", "1", "--max-num-seqs", "16", "--max-queue", "8", "--probe-interval-s", "3600",
+        "--drain-timeout-s", "10"]
+PROMPTS = [[5, 6, 7, 8], [1, 2, 3], list(range(20, 52))]
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """The chapter's server as a process; yields (url, pids of its process tree); checks it stopped and left nothing."""
+    with running_module(MODULE, ARGS, name="ch09", startup_timeout_s=240) as server:
+        pids = {p.pid for p in _tree(server.process.pid)}
+        yield server.url, server.process.pid
+        pids |= {p.pid for p in _tree(server.process.pid)}
+    assert server.process.returncode in (0, -signal.SIGTERM), server.log_tail(2000)
+    left = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert not left, f"processes of the cluster still running after it stopped: {left}"
+
+
+def test_a_replica_answers_the_oracles_tokens_through_the_proxy(cluster, oracle) -> None:
+    url, _ = cluster
+    with httpx.Client(base_url=url, timeout=60) as client:
+        for prompt in PROMPTS:
+            response = client.post("/v1/inference", json={"input_ids": prompt, "max_new_tokens": 12})
+            assert response.status_code == 200, response.text
+            assert response.json()["output_ids"] == oracle(prompt, 12)
+
+
+def test_a_stream_through_the_proxy_carries_the_oracles_tokens_one_event_each(cluster, oracle) -> None:
+    url, _ = cluster
+    body = {"input_ids": PROMPTS[0], "max_new_tokens": 10, "stream": True}
+    tokens, done = [], None
+    with httpx.Client(base_url=url, timeout=60) as client, client.stream("POST", "/v1/inference", json=body) as response:
+        assert response.status_code == 200
+        event = None
+        for line in response.iter_lines():
+            if line.startswith("event: "):
+                event = line.removeprefix("event: ")
+            elif line.startswith("data: ") and event == "token":
+                tokens.append(json.loads(line.removeprefix("data: "))["token_id"])
+            elif line.startswith("data: ") and event == "done":
+                done = json.loads(line.removeprefix("data: "))
+    assert tokens == oracle(PROMPTS[0], 10) and done["output_ids"] == tokens
+
+
+def test_the_official_openai_client_completes_through_the_proxy(cluster, oracle) -> None:
+    from openai import OpenAI
+
+    url, _ = cluster
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    model = client.models.list().data[0].id
+    completion = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=8, temperature=0)
+    assert completion.choices[0].finish_reason == "length" and completion.usage.completion_tokens == 8
+
+
+def test_bad_input_gets_the_contracts_json_error_through_the_proxy(cluster) -> None:
+    url, _ = cluster
+    response = httpx.post(f"{url}/v1/inference", json={"input_ids": [], "max_new_tokens": 4}, timeout=30)
+    assert response.status_code == 422
+    assert response.json()["error"]["type"]
+
+
+def test_nothing_of_the_cluster_listens_beyond_loopback(cluster) -> None:
+    _, pid = cluster
+    pids = {p.pid for p in _tree(pid)}
+    listening = [c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.pid in pids]
+    assert listening, "found no listening socket of the cluster's processes: the check would prove nothing"
+    exposed = sorted({(c.laddr.ip, c.laddr.port) for c in listening if c.laddr.ip not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")})
+    assert not exposed, f"listening beyond loopback: {exposed}"
+
+
+def test_serves_limits_come_from_chapter_8s_scheduler_and_chapter_7s_drain() -> None:
+    settings = ScaleOutSettings(max_num_seqs=16, max_queue=8, drain_timeout_s=12.0)
+    options = deployment_options(settings, num_replicas=3, replica_cpus=0.5)
+    assert options["max_ongoing_requests"] == 16 + 8  # never Serve's default of 5: that would cap a batch at 5 rows
+    assert options["max_queued_requests"] == 8
+    assert options["graceful_shutdown_timeout_s"] == 12.0
+    assert options["num_replicas"] == 3 and options["ray_actor_options"] == {"num_cpus": 0.5}
+    assert set(replica_settings(settings)) == set(ContinuousSettings.model_fields)  # nothing of the cluster's
+    # every knob of chapter 8, plus the replicas' own: composed from the same option groups
+    assert set(ScaleOutSettings.model_fields) - set(ContinuousSettings.model_fields) == set(ReplicaOptions.model_fields)
+
+
+class _Backend:
+    def __init__(self, ready: bool, reason: str, probed: bool = True, draining: bool = False) -> None:
+        self._verdict = (ready, reason)
+        self.probe = type("Probe", (), {"last": object() if probed else None})()
+        self.drain = type("Drain", (), {"draining": draining})()
+
+    def readiness(self):
+        return self._verdict
+
+
+def test_a_replica_is_unhealthy_only_when_chapter_7s_probe_failed() -> None:
+    replica_health(_Backend(True, "ok"))
+    replica_health(_Backend(False, "starting: no probe has run yet", probed=False))  # start-up
+    replica_health(_Backend(False, "draining", draining=True))  # Serve is already stopping it
+    with pytest.raises(RuntimeError, match="the probe failed"):
+        replica_health(_Backend(False, "the probe failed: RuntimeError: boom"))
+
+
+def test_the_app_drains_before_its_own_shutdown_when_serve_stops_the_replica() -> None:
+    import asyncio
+
+    from chapters.ch07_production.drain import DrainController
+    from chapters.ch09_scale_out.replica import DrainBeforeShutdown
+
+    seen: list[str] = []
+    drain = DrainController(timeout_s=5)
+
+    async def app(scope, receive, send) -> None:  # an ASGI app that records what its lifespan sees
+        while True:
+            message = await receive()
+            seen.append(f"{message['type']} (draining={drain.draining}, in flight={drain.in_flight})")
+            if message["type"] == "lifespan.shutdown":
+                return
+
+    async def run() -> None:
+        messages = asyncio.Queue()
+        for message in ({"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}):
+            messages.put_nowait(message)
+        await asyncio.wait_for(DrainBeforeShutdown(app, drain)({"type": "lifespan"}, messages.get, None), 5)
+
+    asyncio.run(run())
+    # the drain ran (readiness off, new work refused) before the app's own shutdown began
+    assert seen == ["lifespan.startup (draining=False, in flight=0)", "lifespan.shutdown (draining=True, in flight=0)"]
