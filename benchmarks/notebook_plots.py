@@ -24,6 +24,7 @@ from benchmarks.article import ARTICLE, BASELINE
 from benchmarks.report import describe_open_knee, open_knee_of
 from benchmarks.results import (
     REFERENCE_ROOT,
+    REPO_ROOT,
     BenchmarkResult,
     LevelMeasurements,
     OpenLoopResult,
@@ -54,6 +55,24 @@ def results_dir(default_profile: str = "cpu", variable: str = "SFS_RESULTS_DIR")
 def load_all(directory: Path) -> tuple[dict[str, BenchmarkResult], dict[str, BenchmarkResult], dict[str, OpenLoopResult]]:
     """``(default workload, long workload, open-loop sweeps)`` of ``directory``, each keyed by label."""
     return load_results(directory), load_results(directory, "long"), load_open_loop_results(directory)
+
+
+def shown_path(path: Path) -> str:
+    """``path`` relative to the repository where it lies inside it (a notebook never prints this machine's paths)."""
+    try:
+        return Path(path).resolve().relative_to(REPO_ROOT).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def say(text: Callable[..., str], *args, **kwargs) -> None:
+    """Display the markdown ``text(*args, **kwargs)`` computes from the results, or what to run where they lack its data."""
+    from IPython.display import Markdown, display
+
+    try:
+        display(Markdown(text(*args, **kwargs)))
+    except MissingData as missing:
+        display(Markdown(f"> **No data for this plot in these results.** {missing}"))
 
 
 def _draws(ax) -> bool:
@@ -92,7 +111,15 @@ def show(plot: Callable[..., Figure], *args, **kwargs) -> None:
     except MissingData as missing:
         display(Markdown(f"> **No data for this plot in these results.** {missing}"))
         return
-    display(check_figure(figure))
+    # The titles travel with the image: `make notebooks` records them beside each README figure,
+    # and a test checks every README caption against them.
+    display(check_figure(figure), metadata={"figure_titles": figure_titles(figure)})
+
+
+def figure_titles(figure: Figure) -> list[str]:
+    """The figure's title, then each panel's, as drawn (empty ones left out)."""
+    suptitle = figure._suptitle.get_text() if figure._suptitle is not None else ""
+    return [title for title in (suptitle, *(ax.get_title() for ax in figure.axes)) if title]
 
 
 # --------------------------------------------------------------------------------------------
@@ -302,8 +329,9 @@ def plot_batch_sizes(result: BenchmarkResult):
     for lvl in levels:
         sizes = sorted((int(size), count) for size, count in lvl.server_series.batch_sizes.items())
         requests = sum(size * count for size, count in sizes)
-        ax.step([s for s, _ in sizes], [100 * s * c / requests for s, c in sizes], where="mid", marker="o",
-                markersize=3, label=f"{lvl.users} users (mean batch {requests / sum(c for _, c in sizes):.1f})")
+        # points only: a line between two sizes would draw batch sizes that never occurred
+        ax.plot([s for s, _ in sizes], [100 * s * c / requests for s, c in sizes], "o", markersize=5, alpha=0.8,
+                label=f"{lvl.users} users (mean batch {requests / sum(c for _, c in sizes):.1f})")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size (requests computed together)")
     ax.set_ylabel("share of requests (%)")
@@ -333,24 +361,62 @@ def expected_padding(batch_sizes: Mapping[str, int], prompt_lengths: Sequence[in
     return computed, needed
 
 
+CH03_DEFAULT_PREFILL = "by_length"  # chapter 3's --prefill default (a test holds the two equal)
+
+
+def prefill_mode(result: BenchmarkResult) -> str:
+    """The ``--prefill`` a chapter 3 run used: its server flags, else ``SFS_PREFILL``, else the default."""
+    args = list(result.config.server_args)
+    for i, arg in enumerate(args):
+        if arg.startswith("--prefill="):
+            return arg.split("=", 1)[1]
+        if arg == "--prefill" and i + 1 < len(args):
+            return args[i + 1]
+    return result.environment.thread_env.get("SFS_PREFILL", CH03_DEFAULT_PREFILL)
+
+
 def plot_padding(result: BenchmarkResult):
-    """Prompt tokens a padded batch computes against those the requests need, per level (expected from
-    the measured batch sizes and the workload's length mix): the price of batching unequal prompts."""
+    """Prompt tokens of each level's prompt passes: what the requests need (sum of their lengths), what a
+    padded pass computes (batch x longest prompt, expected from the measured batch sizes and the
+    workload's length mix), and what this run's pass computed, which depends on its ``--prefill``:
+    ``padded`` computes the padding, ``by_length`` only what is needed."""
     levels = _with_batches(result)
+    mode = prefill_mode(result)
     ax = Figure(figsize=(8, 4.5)).subplots()
     x = np.arange(len(levels))
     pairs = [expected_padding(lvl.server_series.batch_sizes, result.config.prompt_lengths) for lvl in levels]
-    ax.bar(x - 0.2, [c for c, _ in pairs], 0.4, label="computed (batch x longest prompt)")
-    ax.bar(x + 0.2, [n for _, n in pairs], 0.4, label="needed (sum of prompt lengths)")
-    for i, (computed, needed) in enumerate(pairs):
-        ax.annotate(f"{100 * (1 - needed / computed):.0f}% padding", (i, computed), ha="center", va="bottom", fontsize=8)
+    ax.bar(x - 0.2, [n for _, n in pairs], 0.4, color="C0", label="needed (sum of prompt lengths)")
+    ax.bar(x + 0.2, [c for c, _ in pairs], 0.4, color="C1", alpha=0.9 if mode == "padded" else 0.35,
+           hatch=None if mode == "padded" else "//",
+           label="a padded pass (batch x longest prompt)" + ("" if mode == "padded" else ": not this run's"))
+    for i, (padded, needed) in enumerate(pairs):
+        share = 100 * (1 - needed / padded)
+        note = f"{share:.0f}% padding computed" if mode == "padded" else f"0% computed ({share:.0f}% if padded)"
+        ax.annotate(note, (i, padded), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(x, [str(lvl.users) for lvl in levels])
     ax.set_xlabel("concurrency (users)")
     ax.set_ylabel("prompt tokens over the level (expected)")
-    ax.set_title(f"{result.label}: padding computed against tokens needed")
+    ax.set_title(f"{result.label} (--prefill {mode}): prompt tokens computed against needed")
     ax.legend(fontsize=8)
     ax.figure.tight_layout()
     return ax.figure
+
+
+def window_cost(results: Mapping[str, BenchmarkResult], before: str = "ch02", after: str = "ch03") -> str:
+    """What the data say the batching chapter costs one request alone: the P50 at the lowest load of both,
+    and how the batching chapter's server stages split it (markdown)."""
+    runs = _require(results, (before, after), CLOSED_COMMAND)
+    if len(runs) < 2:
+        raise MissingData(f"Both {before} and {after} are needed. Run: `{CLOSED_COMMAND}`.")
+    first, second = (min(_levels(r), key=lambda lvl: lvl.users) for r in runs)
+    if first.users != second.users:
+        raise MissingData(f"{before} and {after} have no load level in common. Run: `{CLOSED_COMMAND}`.")
+    gap = second.latency_ms.p50 - first.latency_ms.p50
+    stages = ", ".join(f"`{name}` {figures.p50:,.0f} ms" for name, figures in (second.stages_ms or {}).items())
+    stages_before = ", ".join(f"`{name}` {figures.p50:,.0f} ms" for name, figures in (first.stages_ms or {}).items())
+    return (f"At {first.users} user(s): {before}'s P50 is {first.latency_ms.p50:,.0f} ms, {after}'s "
+            f"{second.latency_ms.p50:,.0f} ms ({gap:+,.0f} ms). The server's own stages (P50 each): {after}: "
+            f"{stages or 'not recorded'}; {before}: {stages_before or 'not recorded'}.")
 
 
 def plot_window_tradeoff(results: Mapping[str, BenchmarkResult], before: str = "ch02", after: str = "ch03"):
@@ -439,6 +505,19 @@ def plot_long_workload(long_results: Mapping[str, BenchmarkResult], labels: Sequ
     p99_ax.set_title("P99, long workload")
     tokens_ax.figure.tight_layout()
     return tokens_ax.figure
+
+
+def long_workload_ratios(long_results: Mapping[str, BenchmarkResult], before: str = "ch03", after: str = "ch04") -> str:
+    """``after``'s generated tokens/s over ``before``'s at every load both measured on the ``long`` workload (markdown)."""
+    runs = _require(long_results, (before, after), LONG_COMMAND)
+    if len(runs) < 2:
+        raise MissingData(f"Both {before} and {after} are needed on the long workload. Run: `{LONG_COMMAND}`.")
+    first, second = ({lvl.users: lvl for lvl in _levels(r)} for r in runs)
+    shared = sorted(set(first) & set(second))
+    if not shared:
+        raise MissingData(f"{before} and {after} have no load level in common. Run: `{LONG_COMMAND}`.")
+    cells = ", ".join(f"{users} user(s): {second[users].tokens_per_s / first[users].tokens_per_s:.2f}×" for users in shared)
+    return f"Long workload, {after}'s generated tokens/s over {before}'s at the same load: {cells}."
 
 
 POOL_SERIES = {  # figure name in /stats -> (label, scale to %)

@@ -4,7 +4,8 @@
     python -m benchmarks.notebooks ch03_dynamic_batching --results-dir benchmarks/results/cpu --out /tmp/nb
 
 Executed in place, each notebook's first figure is also written to ``notebooks/figures/<name>.png``,
-which the chapter's README shows.
+which the chapter's README shows, and its titles (as drawn) to ``notebooks/figures/titles.json`` with
+the PNG's hash: a README caption is checked against them (``tests/test_notebooks.py``).
 
 A notebook reads ``$SFS_RESULTS_DIR`` (default: ``benchmarks/reference/<profile>``); ``--results-dir``
 sets it for the kernel. Execution fails on any error, including a figure with an empty panel (the
@@ -25,6 +26,7 @@ from benchmarks.results import REPO_ROOT
 
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 FIGURES_DIR = NOTEBOOKS_DIR / "figures"
+TITLES_FILE = FIGURES_DIR / "titles.json"
 CELL_TIMEOUT_S = 300
 
 
@@ -69,16 +71,30 @@ def execute(path: Path, env: Mapping[str, str] | None = None, timeout_s: int = C
     return notebook
 
 
-def main_figure(notebook) -> bytes | None:
-    """The PNG bytes of a notebook's first figure (each notebook plots its chapter's mechanism first), or None."""
+def main_figure(notebook) -> tuple[bytes, list[str]] | None:
+    """The PNG bytes of a notebook's first figure (each notebook plots its chapter's mechanism first) and
+    its titles as :func:`benchmarks.notebook_plots.show` recorded them, or None."""
     import base64
 
     for cell in notebook.cells:
         for output in cell.get("outputs", []) if cell.cell_type == "code" else []:
             png = output.get("data", {}).get("image/png")
             if png:
-                return base64.b64decode(png)
+                return base64.b64decode(png), list(output.get("metadata", {}).get("figure_titles", []))
     return None
+
+
+def record_figure(stem: str, png: bytes, titles: list[str], figures_dir: Path = FIGURES_DIR) -> None:
+    """Write ``<stem>.png`` and its entry in ``titles.json`` (titles and the PNG's sha256)."""
+    import hashlib
+    import json
+
+    figures_dir.mkdir(parents=True, exist_ok=True)
+    (figures_dir / f"{stem}.png").write_bytes(png)
+    manifest_path = figures_dir / TITLES_FILE.name
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    manifest[stem] = {"titles": titles, "png_sha256": hashlib.sha256(png).hexdigest()}
+    manifest_path.write_text(json.dumps(dict(sorted(manifest.items())), indent=2, ensure_ascii=False) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,8 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"executed {path.name} -> {target}")
         figure = main_figure(notebook)
         if figure is not None and not args.out:  # the chapter READMEs show it
-            FIGURES_DIR.mkdir(exist_ok=True)
-            (FIGURES_DIR / f"{path.stem}.png").write_bytes(figure)
+            record_figure(path.stem, *figure)
     return 0
 
 

@@ -29,6 +29,7 @@ from benchmarks.report import (
     missing_chapter_notes,
     render_calibration,
     render_table,
+    representative,
     report_names,
 )
 from benchmarks.results import (
@@ -83,6 +84,7 @@ def _cells(row: TableRow) -> list[str]:
     return [
         f"{row.qps:,.1f}" if row.qps is not None else "—", latency(row.tokens_per_s), str(row.users),
         latency(row.p50_top_ms), latency(row.p99_top_ms), str(row.top_users), str(row.errors),
+        latency(row.server_rss_mb_max),
     ]
 
 
@@ -98,8 +100,8 @@ def comparison_block(
     """This run against the one before it (previous chapter, or a variant's own chapter), ratio and provenance."""
     this_row = measured_row(this, None)
     lines = [
-        "| run | QPS | tokens/s | at users | P50 (ms) | P99 (ms) | at users | errors |",
-        "|---|---|---|---|---|---|---|---|",
+        "| run | QPS | tokens/s | at users | P50 (ms) | P99 (ms) | at users | errors | server RSS max (MB) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     if before is not None:
         before_row = measured_row(before, None)
@@ -110,9 +112,11 @@ def comparison_block(
             _ratio(this_row.qps, before_row.qps), _ratio(this_row.tokens_per_s, before_row.tokens_per_s), "",
             _ratio(this_row.p50_top_ms, before_row.p50_top_ms), _ratio(this_row.p99_top_ms, before_row.p99_top_ms),
         ]
-        lines.append(f"| {this.label} / {before.label} | " + " | ".join(ratios) + " | | |")
+        ratios += ["", "", _ratio(this_row.server_rss_mb_max, before_row.server_rss_mb_max)]
+        lines.append(f"| {this.label} / {before.label} | " + " | ".join(ratios) + " |")
     lines += ["", "QPS and tokens/s at saturation (the load with the highest QPS); P50 and P99 at the highest "
-              "load measured, the same for both runs."]
+              "load measured, the same for both runs; server RSS max: the server's largest resident memory "
+              "over the whole run (all its processes)."]
     lines += ["", environment_line({this.label: this})]
     lines += ["", f"Reproduce: `{this.config.reproduce}`" + (f" and `{before.config.reproduce}`" if before else "")]
     files = [this, before] if before else [this]
@@ -174,7 +178,7 @@ def machines_block(this: Mapping[str, BenchmarkResult], previous: Mapping[str, B
     """The same climb on two machines: each chapter's saturation QPS, its ratio to chapter 1, and this
     machine's QPS over the previous one's (how far a learner's figures may sit from the reference)."""
     def machine(results: Mapping[str, BenchmarkResult]) -> str:
-        env = next(iter(results.values())).environment
+        env = representative(results).environment
         return f"{env.cpu_model}, {env.logical_cores} cores, commit {str(env.git_commit)[:10]}"
 
     chapters = [c for c in sorted(set(this) & set(previous)) if re.fullmatch(r"ch\d\d", c)]

@@ -186,6 +186,7 @@ class TableRow:
     top_users: int | None = None  # the highest load measured
     p50_top_ms: float | None = None  # the P50 there
     p99_top_ms: float | None = None  # the P99 there
+    server_rss_mb_max: float | None = None  # the server's largest resident memory over every level
     article_qps: float | None = None
     article_p99_ms: float | None = None
     article_ratio: float | None = None
@@ -217,6 +218,7 @@ def measured_row(result: BenchmarkResult, baseline_qps: float | None) -> TableRo
         top_users=top.users if top else None,
         p50_top_ms=top.latency_ms.p50 if top and top.latency_ms else None,
         p99_top_ms=top.latency_ms.p99 if top and top.latency_ms else None,
+        server_rss_mb_max=max((lvl.server_rss_mb_max for lvl in result.levels if lvl.server_rss_mb_max is not None), default=None),
         **_article_fields(result.label),  # a variant's label is not a chapter: no article figures
     )
 
@@ -332,11 +334,16 @@ def render_variants(variant_rows: Sequence[tuple[TableRow, float | None]]) -> li
     return lines
 
 
+def representative(results: Mapping[str, BenchmarkResult]) -> BenchmarkResult:
+    """The result that speaks for a set: the first chapter's own run (a variant only when there is none)."""
+    return next((r for r in results.values() if r.label == r.chapter), None) or next(iter(results.values()))
+
+
 def environment_line(results: Mapping[str, BenchmarkResult]) -> str:
     """One sentence on where the figures come from (from the first result; differences are warned about)."""
     if not results:
         return ""
-    first = next(iter(results.values()))
+    first = representative(results)
     env, config = first.environment, first.config
     where = env.gpu or f"{env.cpu_model} ({env.logical_cores} cores)"
     pinning = (

@@ -40,7 +40,7 @@ from chapters.ch03_dynamic_batching.batched_generation import StaticBatch, gener
 from chapters.ch03_dynamic_batching.step_loop import run_until_done
 from chapters.ch04_memory_pool.memory_pool import KVMemoryPool
 from chapters.ch05_inference_engine.engine import ENGINES, PRECISIONS, Engine, EngineUnavailable
-from chapters.ch05_inference_engine.engines import ACCURACY_TOLERANCE, MIN_SPEEDUP, build_engine, pick, unavailable_reason
+from chapters.ch05_inference_engine.engines import ACCURACY_TOLERANCE, CANDIDATES, MIN_SPEEDUP, build_engine, pick, unavailable_reason
 from shared.corpus import HELD_OUT_PAIRS, evaluate, sentence
 from shared.devices import choose_device, set_threads, synchronize
 from shared.model import GPT, DynamicKVCache
@@ -308,7 +308,7 @@ def markdown_table(result: dict) -> str:
             f"| {r['rows_identical']} | {exact} | {r['max_logit_diff']:.2e} | {r['latency_b1_ms']:.1f} | {speedup} "
             f"| {r['throughput_tok_s']:.0f} | {gain} | {conversion} | {_fmt(r['artifact_mb'], '.1f')} |"
         )
-    best = fastest_within_tolerance(rows)
+    best = fastest_within_tolerance(rows, result["environment"]["device"])
     if best:
         lines += ["", (f"The auto rule's choice at batch {result['config']['batch']}: **{best['engine']}/{best['precision']}** "
                        f"(within {100 * ACCURACY_TOLERANCE:.0f} points of fp32's task accuracy, and faster than fp32 "
@@ -317,15 +317,18 @@ def markdown_table(result: dict) -> str:
     lines += [f"- {r['engine']}/{r['precision']}: " + "; ".join(r["notes"]) for r in rows if r["available"] and r["notes"]]
     env = result["environment"]
     lines += ["", (f"Machine: {env['cpu_model']}, {env['logical_cores']} logical cores, torch threads {env['torch_threads']}, "
-              f"load average at start {env['load_average_at_start']}, device {env['device']}; "
+              f"load average at start {env['load_average_at_start']}, device {env['device']}; one process timing the "
+              f"engines directly, no server and no load generator (nothing pinned); "
               f"packages {json.dumps(env['packages'])}; git {str(env['git_commit'])[:10]} dirty={env['git_dirty']}.")]
     return "\n".join(lines)
 
 
-def fastest_within_tolerance(rows: list[dict]) -> dict | None:
+def fastest_within_tolerance(rows: list[dict], device: str = "cpu") -> dict | None:
     """The row chapter 5's rule (:func:`~chapters.ch05_inference_engine.engines.pick`) chooses from this
-    table, its throughput at batch 32 standing for the rule's probe. None without an fp32 eager row."""
-    available = [r for r in rows if r["available"]]
+    table among the rule's candidates for ``device`` (``CANDIDATES``), its throughput at batch 32
+    standing for the rule's probe. None without an fp32 eager row."""
+    candidates = set(CANDIDATES.get(device.split(":")[0], CANDIDATES["cpu"]))
+    available = [r for r in rows if r["available"] and (r["engine"], r["precision"]) in candidates]
     if not any((r["engine"], r["precision"]) == ("eager", "fp32") for r in available):
         return None
     chosen = pick([{**r, "requests_per_s": r["throughput_tok_s"]} for r in available])

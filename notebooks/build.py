@@ -31,7 +31,7 @@ from IPython.display import Markdown, display
 
 from benchmarks import notebook_plots as plots
 from benchmarks import report
-from benchmarks.notebook_plots import show'''
+from benchmarks.notebook_plots import say, show'''
 
 PARAMETERS = '''# Parameters. By default: the committed reference results (benchmarks/reference/cpu/).
 # To plot your own run instead, set SFS_RESULTS_DIR before starting Jupyter, e.g.
@@ -39,7 +39,7 @@ PARAMETERS = '''# Parameters. By default: the committed reference results (bench
 # or assign RESULTS_DIR here.
 RESULTS_DIR = plots.results_dir()
 closed, long, open_loop = plots.load_all(RESULTS_DIR)
-print(f"{len(closed)} closed-loop runs, {len(long)} long-workload runs, {len(open_loop)} open-loop sweeps in {RESULTS_DIR}")'''
+print(f"{len(closed)} closed-loop runs, {len(long)} long-workload runs, {len(open_loop)} open-loop sweeps in {plots.shown_path(RESULTS_DIR)}")'''
 
 # Chapters 7 and 8 read files of their own recorders (not the climb's results): just the directory.
 OWN_FILES_PARAMETERS = '''# Parameters. By default: the committed reference results (benchmarks/reference/cpu/).
@@ -47,7 +47,7 @@ OWN_FILES_PARAMETERS = '''# Parameters. By default: the committed reference resu
 #   SFS_RESULTS_DIR=benchmarks/results/cpu jupyter lab notebooks/
 # or assign RESULTS_DIR here.
 RESULTS_DIR = plots.results_dir()
-print(f"reading {RESULTS_DIR}")'''
+print(f"reading {plots.shown_path(RESULTS_DIR)}")'''
 OWN_FILES_TAIL = "\n\nWhere these results hold no recording, each plot says so and names the command that makes it."
 
 INTRO_TAIL = (
@@ -101,8 +101,10 @@ NOTEBOOKS = {
              'show(plots.plot_latency_and_qps, closed, ("ch01", "ch02"), "Sync (ch01) against async (ch02)")'),
             ("## The same load for both\n\nP50 / P99 at every concurrency level both chapters measured (never one "
              "chapter's saturation against the other's).",
-             'lines = report.render_same_load({k: closed[k] for k in ("ch01", "ch02") if k in closed})\n'
-             'display(Markdown("\\n".join(lines) if lines else "> Both ch01 and ch02 are needed for this table."))'),
+             'pair = {k: closed[k] for k in ("ch01", "ch02") if k in closed}\n'
+             'lines = report.render_same_load(pair)\n'
+             'display(Markdown("\\n".join([*lines, "", report.environment_line(pair)]) if lines\n'
+             '                 else "> Both ch01 and ch02 are needed for this table."))'),
             ("## Where one request's time goes\n\nThe server's own stages (`timings_ms`), stacked, at each load.",
              'show(plots.plot_stage_breakdown, closed.get("ch02"))'),
         ],
@@ -120,38 +122,49 @@ NOTEBOOKS = {
         [
             ("## The batch sizes the server formed\n\nAs `/stats` counted them, per load level (share of requests "
              "computed in batches of each size).", 'show(plots.plot_batch_sizes, closed.get("ch03"))'),
-            ("## Padding: tokens computed against tokens needed\n\nA left-padded batch computes every prompt at "
-             "the longest one's length. Expected over the workload's length mix for the measured batch sizes.",
+            ("## The prompt pass: tokens computed against tokens needed\n\nThe textbook prompt pass (`--prefill "
+             "padded`) computes every prompt of a batch at the longest one's length; chapter 3's default "
+             "(`--prefill by_length`) runs prompts of equal length together and computes no padding. The plot "
+             "reads which one the run used from its server flags, and shows what a padded pass would have "
+             "computed for the measured batch sizes (expected over the workload's length mix).",
              'show(plots.plot_padding, closed.get("ch03"))'),
-            ("## The window's trade-off\n\nWhat waiting for company costs one request alone, against what it buys "
-             "under load.", 'show(plots.plot_window_tradeoff, closed, "ch02", "ch03")'),
+            ("## The window's trade-off\n\nWhat batching costs one request alone, against what it buys "
+             "under load; below the plot, the one-user figures and the server's stages that make them up.",
+             'show(plots.plot_window_tradeoff, closed, "ch02", "ch03")\nsay(plots.window_cost, closed, "ch02", "ch03")'),
             ("## Where the time goes in a batching server",
              'show(plots.plot_stage_breakdown, closed.get("ch03"))'),
         ],
         "- Batch sizes follow the load: at one user every batch holds one request; at high concurrency most "
         "requests ride in large batches, which is where the throughput comes from.\n"
-        "- Padding grows with the batch size: the larger the batch, the likelier it holds one long prompt that "
-        "every other row is padded to. Chapter 8's continuous batching removes most of it.\n"
-        "- The window costs a little latency at one user (the `queue` stage) and buys several times the "
-        "throughput under load: compare the two panels of the trade-off plot.",
+        "- A padded prompt pass would waste more as batches grow: the larger the batch, the likelier it holds one "
+        "long prompt that every other row is padded to. With `--prefill by_length` the prompt pass computes none of "
+        "it; the decode steps still attend over the padded cache (masked), which chapter 8's packed steps remove.\n"
+        "- At one user, the sentence under the trade-off plot splits the difference from chapter 2: the `queue` "
+        "stage is what the window itself costs; the rest is the batched code path (its `prefill` and `decode` "
+        "against chapter 2's `inference`). Under load, the right panel shows what batching buys.",
     ),
     "ch04_memory_pool": notebook(
         "Chapter 4: a pre-allocated KV-cache pool and admission control",
-        "The cache lives in blocks of one pool allocated at start; admission reserves blocks for each request, "
-        "queues or rejects (429) when the pool is full, or offloads to a CPU fallback.",
+        "The cache lives in blocks of one pool allocated at start; each batch reserves one range of it for its "
+        "padded length; admission queues or rejects (429) when too many requests wait, or offloads to a CPU "
+        "fallback.",
         [
             ("## Per-step time against sequence length (`long` workload)\n\nDecode time per generated token at "
              "the lowest load: the `torch.cat` cache (chapter 3) copies the whole cache at every step, the pool "
              "writes one slot.", "show(plots.plot_step_time, long)"),
-            ("## The long workload under load", "show(plots.plot_long_workload, long)"),
+            ("## The long workload under load", "show(plots.plot_long_workload, long)\nsay(plots.long_workload_ratios, long)"),
             ("## The pool over time under load\n\nBlocks in use and the share of reserved slots actually written, "
              "as `/stats` reported them every half second.", 'show(plots.plot_pool_over_time, closed.get("ch04"))'),
             ("## Rejections (429) and fallbacks", "show(plots.plot_rejections, closed)"),
         ],
-        "- With `torch.cat`, the time per step rises with the sequence length (each step copies the cache); with "
-        "the pool it stays nearly flat. The gap widens with longer prompts.\n"
-        "- Reserved is not written: admission reserves for the longest possible answer, so part of the pool is "
-        "promised but empty. That share is the price of never running out mid-generation.\n"
+        "- At one user, compare the two medians at each prompt length with the scatter around them: one row's cache "
+        "of this tiny model (at most 128 + 256 positions) is cheap to copy next to the rest of a step, so a gap, if "
+        "any, is small there. The copy grows with rows x positions: under load the batches are wide, and the sentence "
+        "under the long-workload plot gives the pool's tokens/s over `torch.cat`'s at each load.\n"
+        "- Reserved is not all written: each batch reserves one range for its padded length (the longest prompt "
+        "plus the most new tokens any of its requests asked for), so rows with shorter prompts or answers leave "
+        "slots empty, and ranges round up to whole blocks. That share is the price of never running out "
+        "mid-generation.\n"
         "- 429s appear only once the queue in front of the pool is full: they protect the P99 of the requests "
         "that were admitted. Fallback bars show requests served off the pool instead of refused.",
     ),
@@ -165,7 +178,7 @@ NOTEBOOKS = {
              "show(lambda: plots.plot_tradeoffs(plots.load_tradeoffs()))"),
             ("## The table itself",
              'table_md = Path(os.environ.get("SFS_TRADEOFFS_FILE") or ROOT / "benchmarks/reference/ch05-tradeoffs/latest.json").with_suffix(".md")\n'
-             'display(Markdown(table_md.read_text() if table_md.exists() else f"> No table at {table_md}."))'),
+             'display(Markdown(table_md.read_text() if table_md.exists() else f"> No table at {plots.shown_path(table_md)}."))'),
             ("## In the server: chapter 4 against chapter 5 and its variants",
              'show(plots.plot_latency_and_qps, closed, ("ch04", "ch05", "ch05-fp32", "ch05-onnxruntime"), '
              '"Chapter 5 in the server, beside chapter 4")'),

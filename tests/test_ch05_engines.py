@@ -289,6 +289,9 @@ def test_the_trade_off_table_names_the_rows_the_rule_picks() -> None:
     rows = [row("eager", "fp32", 0.99, 100), row("eager", "bf16", 0.98, 150), row("tensorrt", "fp16", 0.0, 0.0, available=False)]
     assert tradeoffs.fastest_within_tolerance(rows)["precision"] == "bf16"
     assert tradeoffs.fastest_within_tolerance(rows[1:]) is None  # no fp32 eager row: nothing to compare with
+    # only what the rule measures on that device: torch.compile is no CPU candidate, however fast in the table
+    rows.append(row("compile", "int8", 0.98, 400))
+    assert tradeoffs.fastest_within_tolerance(rows, "cpu")["engine"] == "eager"
 
 
 def test_auto_measures_the_candidates_and_serves_what_the_rule_picks(default_model: LoadedModel, tmp_path, monkeypatch) -> None:

@@ -3,20 +3,25 @@
 A notebook displays each figure through ``benchmarks.notebook_plots.show``, which raises on a figure
 with an empty panel, so an empty plot fails here as an error. Against synthetic results (which hold
 every recorded field) every plot must draw: a "no data" note there means the plotting code and the
-results schema have drifted apart. Against the committed reference, notes are allowed (the reference
-may predate a field) but every notebook must still show at least one figure, except chapters 7 and 8,
-whose recordings (drain timeline, leak curves, streaming comparison) may not be committed yet: there
-every plot either draws or names the command that records its data.
+results schema have drifted apart. Against the committed reference every plot must draw too (a claim
+whose data is not committed goes, or its data is measured), every workload the notebook's text names
+must have results there, and the main figure's titles must be the ones recorded beside the PNG that
+the chapter's README shows, whose caption must name only what those titles say.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
 from pathlib import Path
 
 import pytest
 
-from benchmarks.notebooks import execute, notebook_paths
-from benchmarks.results import REFERENCE_ROOT
+from benchmarks.notebooks import TITLES_FILE, execute, main_figure, notebook_paths
+from benchmarks.results import REFERENCE_ROOT, REPO_ROOT, load_results
+from benchmarks.streaming import WORKLOADS as STREAMING_WORKLOADS
+from benchmarks.workload import WORKLOADS
 from benchmarks.synthetic import (
     synthetic_drain_timeline,
     synthetic_leak_report,
@@ -81,17 +86,85 @@ def test_notebook_draws_every_plot_from_synthetic_results(path: Path, synthetic_
     assert _images(notebook) == _show_calls(notebook)  # one figure per show(...)
 
 
+def workloads_with_results(directory: Path) -> set[str]:
+    """The workloads ``directory`` holds results of: climbs (``<label>[-<workload>].json``) and streaming comparisons."""
+    climbs = {workload for workload in WORKLOADS if load_results(directory, workload)}
+    streamed = {json.loads(path.read_text())["workload"] for path in (directory / "streaming").glob("*.json")}
+    return climbs | streamed
+
+
+def named_workloads(notebook) -> set[str]:
+    """Workloads the rendered notebook names in code font (`long`, `mixed`, ...), in its text and its outputs."""
+    text = "\n".join(cell.source for cell in notebook.cells if cell.cell_type == "markdown") + _text(notebook)
+    known = set(WORKLOADS) | set(STREAMING_WORKLOADS)
+    return {name for name in re.findall(r"`([a-z_]+)`", text) if name in known}
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs_on_the_committed_reference(path: Path):
     reference = REFERENCE_ROOT / "cpu"
     notebook = execute(path, {"SFS_RESULTS_DIR": str(reference)})
-    recorded = all((reference / name).exists() for name in OWN_RECORDINGS.get(path.stem, ()))
-    if recorded:
-        assert _images(notebook) >= 1
-    notes = _notes(notebook)
-    assert _images(notebook) + len(notes) == _show_calls(notebook)  # every plot draws or says why not
-    for markdown in notes:  # a missing field is explained with the command that records it
-        assert "python -m benchmarks" in markdown or "python -m chapters.ch07_production.leakcheck" in markdown
+    assert not _notes(notebook), "the committed reference lacks data a plot of this notebook describes"
+    assert _images(notebook) == _show_calls(notebook)
+    missing = named_workloads(notebook) - workloads_with_results(reference)
+    assert not missing, f"the notebook's text names workloads without committed results: {missing}"
+    if path.stem != "climb":  # the chapter notebooks' first figure is their README's
+        recorded = json.loads(TITLES_FILE.read_text())[path.stem]
+        assert main_figure(notebook)[1] == recorded["titles"], "re-run `make notebooks`: the main figure changed"
+
+
+IMAGE = re.compile(r"!\[(?P<caption>[^\]]*)\]\((?P<target>[^)]+\.png)\)")
+
+
+def _words(text: str) -> str:
+    return " ".join(re.sub(r"[^a-z0-9.%]+", " ", text.lower()).split())
+
+
+def caption_problems(readme: Path, manifest: dict, figures_dir: Path = TITLES_FILE.parent) -> list[str]:
+    """What a README says about a notebook figure that the figure does not show: every `; `-separated
+    part of an image's caption must be said by one of the titles recorded for that PNG, whose hash
+    must be the PNG's own (the titles belong to this image, not an older one)."""
+    problems = []
+    for match in IMAGE.finditer(readme.read_text()):
+        png = (readme.parent / match["target"]).resolve()
+        if png.parent != figures_dir.resolve():
+            continue  # not a notebook figure
+        entry = manifest.get(png.stem)
+        if entry is None or not png.exists():
+            problems.append(f"{readme.name}: {png.name} has no recorded titles (run `make notebooks`)")
+            continue
+        if hashlib.sha256(png.read_bytes()).hexdigest() != entry["png_sha256"]:
+            problems.append(f"{readme.name}: {png.name} is not the image its titles were recorded with")
+        titles = [_words(title) for title in entry["titles"]]
+        for part in match["caption"].split("; "):
+            if not any(_words(part) in title for title in titles):
+                problems.append(f"{readme.name}: caption {part!r} is not in {png.name}'s titles {entry['titles']}")
+    return problems
+
+
+def test_every_readme_caption_names_what_its_figure_shows():
+    manifest = json.loads(TITLES_FILE.read_text())
+    readmes = sorted(REPO_ROOT.glob("*.md")) + sorted(REPO_ROOT.glob("chapters/*/README.md"))
+    problems = [problem for readme in readmes for problem in caption_problems(readme, manifest)]
+    assert not problems, "\n".join(problems)
+    shown = {m["target"].rsplit("/", 1)[-1][:-4] for r in readmes for m in IMAGE.finditer(r.read_text())}
+    assert {p.stem for p in NOTEBOOKS} - {"climb"} <= shown, "every chapter's README shows its notebook's main figure"
+
+
+def test_the_caption_check_catches_a_caption_the_figure_does_not_show(tmp_path: Path):
+    figures = tmp_path / "figures"
+    figures.mkdir()
+    png = figures / "ch03_dynamic_batching.png"
+    png.write_bytes((TITLES_FILE.parent / png.name).read_bytes())
+    manifest = {png.stem: {"titles": ["ch03: the batch sizes the server formed"],
+                           "png_sha256": hashlib.sha256(png.read_bytes()).hexdigest()}}
+    readme = tmp_path / "README.md"
+    readme.write_text(f"![the batch sizes the server formed](figures/{png.name})\n")
+    assert caption_problems(readme, manifest, figures) == []
+    readme.write_text(f"![the batch sizes the server formed; the padding it computed](figures/{png.name})\n")
+    assert ["the padding it computed" in problem for problem in caption_problems(readme, manifest, figures)] == [True]
+    manifest[png.stem]["png_sha256"] = "0" * 64
+    assert any("not the image" in problem for problem in caption_problems(readme, manifest, figures))
 
 
 @pytest.mark.parametrize("name", sorted(OWN_RECORDINGS))
@@ -179,3 +252,24 @@ def test_drain_recorder_against_a_real_server(tmp_path: Path):
     assert all(p["ready"] for p in timeline["polls"] if p["t_s"] < 0 and p["readyz_status"] is not None)
     assert not any(p["ready"] for p in timeline["polls"] if p["t_s"] > 0.2)
     check_figure(plot_drain_timeline(timeline))
+
+
+def test_the_padding_plot_knows_chapter_3s_default_prefill():
+    from benchmarks.notebook_plots import CH03_DEFAULT_PREFILL
+    from chapters.ch03_dynamic_batching.server import BatchingSettings
+
+    assert BatchingSettings.model_fields["prefill"].default == CH03_DEFAULT_PREFILL
+
+
+def test_the_padding_plot_draws_what_the_runs_prefill_computed():
+    """`by_length` computes no prompt padding; `padded` computes batch x longest prompt: the plot says which."""
+    from benchmarks.notebook_plots import plot_padding
+    from benchmarks.synthetic import rich_synthetic_result
+
+    by_length = rich_synthetic_result("ch03")
+    config = by_length.config.model_copy(update={"server_args": [*by_length.config.server_args, "--prefill=padded"]})
+    padded = by_length.model_copy(update={"config": config})
+    for result, title, note in ((by_length, "--prefill by_length", "0% computed"), (padded, "--prefill padded", "padding computed")):
+        ax = plot_padding(result).axes[0]
+        assert title in ax.get_title()
+        assert all(note in text.get_text() for text in ax.texts) and ax.texts
