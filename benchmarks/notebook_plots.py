@@ -469,9 +469,9 @@ def plot_step_time(long_results: Mapping[str, BenchmarkResult], labels: Sequence
             if length is not None and decode is not None:
                 by_length.setdefault(length, []).append(decode / result.config.max_new_tokens)
         lengths = sorted(by_length)
-        ax.scatter([l for l in lengths for _ in by_length[l]], [v for l in lengths for v in by_length[l]], s=8,
-                   alpha=0.4, color=f"C{n}")
-        ax.plot(lengths, [np.median(by_length[l]) for l in lengths], "o-", color=f"C{n}",
+        ax.scatter([length for length in lengths for _ in by_length[length]],
+                   [v for length in lengths for v in by_length[length]], s=8, alpha=0.4, color=f"C{n}")
+        ax.plot(lengths, [np.median(by_length[length]) for length in lengths], "o-", color=f"C{n}",
                 label=f"{result.label} at {level.users} user(s): median")
         drawn = True
     if not drawn:

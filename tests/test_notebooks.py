@@ -1,7 +1,7 @@
 """Every notebook runs top to bottom, against synthetic schema-2 results and against the committed reference.
 
 A notebook displays each figure through ``benchmarks.notebook_plots.show``, which raises on a figure
-with an empty panel, so an empty plot fails here as an error. Against synthetic results (which hold
+with an empty panel, so an empty plot fails here as an error. Against synthetic results (slow: which hold
 every recorded field) every plot must draw: a "no data" note there means the plotting code and the
 results schema have drifted apart. Against the committed reference every plot must draw too (a claim
 whose data is not committed goes, or its data is measured), every workload the notebook's text names
@@ -78,6 +78,9 @@ def test_every_chapter_of_the_article_has_a_notebook():
         assert "## What to look at" in path.read_text(), f"{path.name} must end with 'what to look at'"
 
 
+# Slow (make test-slow): the committed reference, which the same harness writes, is drawn in full by
+# the test after it on every run; this one also covers fields the reference may lack (a GPU's).
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_draws_every_plot_from_synthetic_results(path: Path, synthetic_dirs):
     notebook = execute(path, synthetic_dirs)  # raises on any cell error, an empty figure included
