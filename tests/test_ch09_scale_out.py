@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import signal
+from pathlib import Path
 
 import httpx
 import psutil
@@ -155,3 +156,44 @@ def test_the_app_drains_before_its_own_shutdown_when_serve_stops_the_replica() -
     asyncio.run(run())
     # the drain ran (readiness off, new work refused) before the app's own shutdown began
     assert seen == ["lifespan.startup (draining=False, in flight=0)", "lifespan.shutdown (draining=True, in flight=0)"]
+
+
+DEPLOY = Path(__file__).resolve().parents[1] / "chapters" / "ch09_scale_out" / "deploy"
+
+
+def test_the_serve_config_file_is_valid_for_serve_and_names_only_chapter_9s_settings() -> None:
+    import yaml
+    from ray._common.utils import import_attr
+    from ray.serve import Application
+    from ray.serve.schema import ServeDeploySchema
+
+    config = ServeDeploySchema.model_validate(yaml.safe_load((DEPLOY / "serve_config.yaml").read_text()))
+    assert config.http_options.host == "127.0.0.1"  # loopback unless you mean to expose it
+    for application in config.applications:
+        builder = import_attr(application.import_path)
+        assert set(application.args) <= set(ScaleOutSettings.model_fields), "a misspelt setting would be ignored"
+        assert isinstance(builder(application.args), Application)
+        assert not application.deployments, "the replicas' Serve options come from the settings, not from the file"
+
+
+def test_the_rayservice_manifest_deploys_the_same_application_with_chapter_7s_probes() -> None:
+    import ray
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    manifest = yaml.safe_load((DEPLOY / "rayservice.yaml").read_text())
+    local = yaml.safe_load((DEPLOY / "serve_config.yaml").read_text())
+    assert (manifest["apiVersion"], manifest["kind"]) == ("ray.io/v1", "RayService")
+    served = ServeDeploySchema.model_validate(yaml.safe_load(manifest["spec"]["serveConfigV2"]))
+    assert [a.model_dump() for a in served.applications] == [
+        a.model_dump() for a in ServeDeploySchema.model_validate(local).applications]
+    cluster = manifest["spec"]["rayClusterConfig"]
+    assert cluster["rayVersion"] == ray.__version__  # the image's Ray is the one the code was checked with
+    port = served.http_options.port
+    for group in cluster["workerGroupSpecs"]:
+        pod = group["template"]["spec"]
+        container = pod["containers"][0]
+        assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": port}
+        assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": port}
+        drain_s = max(float(a.args.get("drain_timeout_s", 30)) for a in served.applications)
+        assert pod["terminationGracePeriodSeconds"] > drain_s  # the pod outlives its replicas' drain

@@ -57,6 +57,13 @@ def build_application(settings: ScaleOutSettings):
     return ContinuousReplica.options(**options).bind(replica_settings(settings))
 
 
+def app_builder(args: dict[str, object]):
+    """Serve's entry point for a config file (``serve run`` / ``serve deploy``, KubeRay's ``serveConfigV2``):
+    ``import_path: chapters.ch09_scale_out.server:app_builder`` with chapter 9's settings by name in ``args``
+    (the ``SFS_*`` environment fills the rest, as for the command line)."""
+    return build_application(ScaleOutSettings(**args))
+
+
 def _free_port(host: str) -> int:
     with socket.socket() as probe:
         probe.bind((host, 0))
