@@ -118,8 +118,7 @@ def show(plot: Callable[..., Figure], *args, **kwargs) -> None:
 
 def figure_titles(figure: Figure) -> list[str]:
     """The figure's title, then each panel's, as drawn (empty ones left out)."""
-    suptitle = figure._suptitle.get_text() if figure._suptitle is not None else ""
-    return [title for title in (suptitle, *(ax.get_title() for ax in figure.axes)) if title]
+    return [title for title in (figure.get_suptitle(), *(ax.get_title() for ax in figure.axes)) if title]
 
 
 # --------------------------------------------------------------------------------------------
@@ -411,12 +410,13 @@ def window_cost(results: Mapping[str, BenchmarkResult], before: str = "ch02", af
     first, second = (min(_levels(r), key=lambda lvl: lvl.users) for r in runs)
     if first.users != second.users:
         raise MissingData(f"{before} and {after} have no load level in common. Run: `{CLOSED_COMMAND}`.")
+    def stages(level) -> str:
+        return ", ".join(f"`{name}` {figures.p50:,.0f} ms" for name, figures in (level.stages_ms or {}).items()) or "not recorded"
+
     gap = second.latency_ms.p50 - first.latency_ms.p50
-    stages = ", ".join(f"`{name}` {figures.p50:,.0f} ms" for name, figures in (second.stages_ms or {}).items())
-    stages_before = ", ".join(f"`{name}` {figures.p50:,.0f} ms" for name, figures in (first.stages_ms or {}).items())
     return (f"At {first.users} user(s): {before}'s P50 is {first.latency_ms.p50:,.0f} ms, {after}'s "
             f"{second.latency_ms.p50:,.0f} ms ({gap:+,.0f} ms). The server's own stages (P50 each): {after}: "
-            f"{stages or 'not recorded'}; {before}: {stages_before or 'not recorded'}.")
+            f"{stages(second)}; {before}: {stages(first)}.")
 
 
 def plot_window_tradeoff(results: Mapping[str, BenchmarkResult], before: str = "ch02", after: str = "ch03"):

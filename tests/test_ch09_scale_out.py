@@ -103,12 +103,14 @@ def test_nothing_of_the_cluster_listens_beyond_loopback(cluster) -> None:
 
 def test_serves_limits_come_from_chapter_8s_scheduler_and_chapter_7s_drain() -> None:
     settings = ScaleOutSettings(max_num_seqs=16, max_queue=8, drain_timeout_s=12.0)
-    options = deployment_options(settings, num_replicas=3, replica_cpus=0.5)
+    options = deployment_options(replica_settings(settings), num_replicas=3, replica_cpus=0.5)
     assert options["max_ongoing_requests"] == 16 + 8  # never Serve's default of 5: that would cap a batch at 5 rows
     assert options["max_queued_requests"] == 8
     assert options["graceful_shutdown_timeout_s"] == 12.0
     assert options["num_replicas"] == 3 and options["ray_actor_options"] == {"num_cpus": 0.5}
-    assert set(replica_settings(settings)) == set(ContinuousSettings.model_fields)  # nothing of the cluster's
+    replica = replica_settings(settings)
+    assert set(replica.model_dump()) == set(ContinuousSettings.model_fields)  # nothing of the cluster's
+    assert (replica.max_num_seqs, replica.max_queue, replica.drain_timeout_s) == (16, 8, 12.0)
     # every knob of chapter 8, plus the replicas' own: composed from the same option groups
     assert set(ScaleOutSettings.model_fields) - set(ContinuousSettings.model_fields) == set(ReplicaOptions.model_fields)
 
@@ -197,3 +199,15 @@ def test_the_rayservice_manifest_deploys_the_same_application_with_chapter_7s_pr
         assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": port}
         drain_s = max(float(a.args.get("drain_timeout_s", 30)) for a in served.applications)
         assert pod["terminationGracePeriodSeconds"] > drain_s  # the pod outlives its replicas' drain
+
+
+def test_joining_a_cluster_by_flag_alone_is_refused_with_what_to_do(monkeypatch, capsys) -> None:
+    """Ray's network mode is fixed when it is first imported: the address must come from the environment."""
+    from chapters.ch09_scale_out.server import main
+
+    monkeypatch.delenv("SFS_RAY_ADDRESS", raising=False)
+    with pytest.raises(SystemExit) as exited:
+        main(["--ray-address", "auto"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1
+    assert "--ray-address" in err and "SFS_RAY_ADDRESS=auto" in err

@@ -11,8 +11,10 @@ SIGTERM or Ctrl-C stops Serve, which drains every replica, then Ray.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
+import sys
 
 from pydantic import Field
 from pydantic_settings import BaseSettings
@@ -38,7 +40,7 @@ class ReplicaOptions(BaseSettings):
 
     num_replicas: int = Field(1, ge=1, description="copies of chapter 8's server behind Serve's proxy")
     replica_cpus: float = Field(1.0, gt=0, description="CPUs Ray reserves for each replica (fractions share a core)")
-    ray_address: str = Field("", description="join this Ray cluster (e.g. auto); empty: start one on this machine, loopback only")
+    ray_address: str = Field("", description="join this Ray cluster (e.g. auto; as SFS_RAY_ADDRESS); empty: start one on this machine, loopback only")
     ray_dashboard: bool = Field(False, description="start Ray's dashboard with the local cluster (about 1 GB of memory)")
 
 
@@ -46,15 +48,16 @@ class ScaleOutSettings(ReplicaOptions, SchedulerOptions, PoolOptions, EngineOpti
     """Chapter 8's knobs (each replica gets them all: :class:`ContinuousSettings`) and the replicas'."""
 
 
-def replica_settings(settings: ScaleOutSettings) -> dict:
+def replica_settings(settings: ScaleOutSettings) -> ContinuousSettings:
     """What every replica is built from: chapter 8's settings, nothing of the cluster's."""
-    return ContinuousSettings.model_validate(settings.model_dump(include=set(ContinuousSettings.model_fields))).model_dump()
+    return ContinuousSettings.model_validate(settings.model_dump(include=set(ContinuousSettings.model_fields)))
 
 
 def build_application(settings: ScaleOutSettings):
     """The Serve application: ``--num-replicas`` replicas of chapter 8's server with options from its limits."""
-    options = deployment_options(settings, settings.num_replicas, settings.replica_cpus)
-    return ContinuousReplica.options(**options).bind(replica_settings(settings))
+    replica = replica_settings(settings)
+    options = deployment_options(replica, settings.num_replicas, settings.replica_cpus)
+    return ContinuousReplica.options(**options).bind(replica.model_dump())
 
 
 def app_builder(args: dict[str, object]):
@@ -71,7 +74,14 @@ def _free_port(host: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    settings = parse_settings(ScaleOutSettings, argv, prog="python -m chapters.ch09_scale_out")
+    prog = "python -m chapters.ch09_scale_out"
+    settings = parse_settings(ScaleOutSettings, argv, prog=prog)
+    if settings.ray_address and os.environ.get("SFS_RAY_ADDRESS") != settings.ray_address:
+        # Ray fixed its single-machine, loopback-only mode when this package imported it (__init__.py).
+        print(f"{prog}: error: --ray-address: give the cluster's address as SFS_RAY_ADDRESS={settings.ray_address} "
+              "in the environment instead: Ray reads its network mode when it is imported, before flags are parsed",
+              file=sys.stderr)
+        raise SystemExit(2)
     configure_json_logging(settings.log_level)
     port = settings.port or _free_port(settings.host)
     stop = {signal.SIGTERM, signal.SIGINT}
