@@ -222,6 +222,7 @@ def test_show_refuses_an_empty_panel():
         check_figure(Figure())
 
 
+@pytest.mark.slow  # the leak check itself runs on every run (tests/test_ch07_leakcheck.py)
 def test_leakcheck_writes_its_memory_curve_where_the_notebook_reads_it(tmp_path: Path):
     from benchmarks.notebook_plots import load_leak_curves
     from chapters.ch07_production import leakcheck
