@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks.autotune import Candidate, Trial, choose, main
 from chapters.ch06_tuned_batching.server import TUNED_FIELDS, TunedSettings, apply_tuned_config
 
@@ -19,6 +21,7 @@ def test_choose_takes_the_fastest_under_the_slo() -> None:
     assert choose([fast_but_slow_tail], slo_p99_ms=1000) is None
 
 
+@pytest.mark.slow  # make test-slow: two real trials; reading tuned.json is tested on every run
 def test_the_tuner_writes_a_configuration_the_server_reads(tmp_path) -> None:
     out = tmp_path / "tuned.json"
     main(["--profile", "smoke", "--max-batch", "4,8", "--min-batch", "2", "--window-ms", "2",

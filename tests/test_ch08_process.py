@@ -53,6 +53,7 @@ async def stream_once(client: httpx.AsyncClient, prompt: list[int], new_tokens: 
     raise AssertionError("the stream ended without a done event")
 
 
+@pytest.mark.slow  # make test-slow: chapter 7's drain under SIGTERM runs on every run (test_ch07_*)
 def test_sigterm_with_64_streams_open_finishes_every_stream_and_exits_within_the_drain_timeout(oracle) -> None:
     drain_s = 30
     with running_module(MODULE, [*BASE_ARGS, "--drain-timeout-s", str(drain_s)], name="ch08") as server:

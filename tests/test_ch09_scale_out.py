@@ -1,6 +1,7 @@
 """Chapter 9 as a learner runs it: ``python -m chapters.ch09_scale_out`` (a local Ray cluster, Serve's
 proxy, one replica of chapter 8's server: what is tested here is what one replica answers) on loopback, started once for the module and stopped with
-SIGTERM by the fixture; Ray's start-up is paid once.
+SIGTERM by the fixture; Ray's start-up is paid once, in ``make test-slow``. The rest (Serve's options, the
+health rule, the drain before shutdown, the config file and the manifest) runs on every run.
 
 Through the proxy a replica answers exactly as chapter 8 does: the oracle's tokens, whole or
 streamed, and the OpenAI routes to the official client. Nothing the process tree opened listens
@@ -23,6 +24,8 @@ from chapters.ch09_scale_out.replica import deployment_options, replica_health
 from chapters.ch09_scale_out.server import ReplicaOptions, ScaleOutSettings, replica_settings
 
 MODULE = "chapters.ch09_scale_out"
+# Ray's start and Serve's stop take about half a minute: the process tests run in `make test-slow`.
+SLOW_RAY = pytest.mark.slow
 ARGS = ["--num-replicas", "1", "--replica-cpus", "0.5", "--device", "cpu", "--precision", "fp32", "--attention", "gather",
         "--torch-threads", "1", "--max-num-seqs", "16", "--max-queue", "8", "--probe-interval-s", "3600",
         "--drain-timeout-s", "10"]
@@ -49,6 +52,7 @@ def cluster():
     assert not left, f"processes of the cluster still running after it stopped: {left}"
 
 
+@SLOW_RAY
 def test_a_replica_answers_the_oracles_tokens_through_the_proxy(cluster, oracle) -> None:
     url, _ = cluster
     with httpx.Client(base_url=url, timeout=60) as client:
@@ -58,6 +62,7 @@ def test_a_replica_answers_the_oracles_tokens_through_the_proxy(cluster, oracle)
             assert response.json()["output_ids"] == oracle(prompt, 12)
 
 
+@SLOW_RAY
 def test_a_stream_through_the_proxy_carries_the_oracles_tokens_one_event_each(cluster, oracle) -> None:
     url, _ = cluster
     body = {"input_ids": PROMPTS[0], "max_new_tokens": 10, "stream": True}
@@ -75,6 +80,7 @@ def test_a_stream_through_the_proxy_carries_the_oracles_tokens_one_event_each(cl
     assert tokens == oracle(PROMPTS[0], 10) and done["output_ids"] == tokens
 
 
+@SLOW_RAY
 def test_the_official_openai_client_completes_through_the_proxy(cluster, oracle) -> None:
     from openai import OpenAI
 
@@ -85,6 +91,7 @@ def test_the_official_openai_client_completes_through_the_proxy(cluster, oracle)
     assert completion.choices[0].finish_reason == "length" and completion.usage.completion_tokens == 8
 
 
+@SLOW_RAY
 def test_bad_input_gets_the_contracts_json_error_through_the_proxy(cluster) -> None:
     url, _ = cluster
     response = httpx.post(f"{url}/v1/inference", json={"input_ids": [], "max_new_tokens": 4}, timeout=30)
@@ -92,6 +99,7 @@ def test_bad_input_gets_the_contracts_json_error_through_the_proxy(cluster) -> N
     assert response.json()["error"]["type"]
 
 
+@SLOW_RAY
 def test_nothing_of_the_cluster_listens_beyond_loopback(cluster) -> None:
     _, pid = cluster
     pids = {p.pid for p in _tree(pid)}

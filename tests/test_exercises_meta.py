@@ -69,6 +69,7 @@ def test_every_marked_exercise_has_graded_tests_and_every_graded_test_an_exercis
     assert sorted(graded - marked) == [], "graded tests of exercises that no marker defines"
 
 
+@pytest.mark.slow  # make test-slow (stubs every exercise in turn); the course-order check runs on every run
 def test_each_exercises_tests_fail_with_only_it_stubbed_naming_it(tmp_path: Path) -> None:
     tree = tmp_path / "toggle"
     write_tree(ROOT, tree, EXERCISES, toggle=True, only=TREE_PARTS)
