@@ -6,9 +6,16 @@ its servers listen there. ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is Ray's own s
 (its default on laptops): the node's address is 127.0.0.1. Ray reads it once, when it is first
 imported, and every Ray process inherits it, so it is set here, before anything of this chapter
 imports Ray, unless ``SFS_RAY_ADDRESS`` names a cluster to join.
+
+Serve's proxy keeps the project's error contract through :mod:`~chapters.ch09_scale_out.edge`, a
+middleware Serve loads in the proxy's process from ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``:
+set here too, so the proxy of a cluster this process starts inherits it (a cluster started
+elsewhere sets it itself: ``deploy/``).
 """
 
 import os
 
 if not os.environ.get("SFS_RAY_ADDRESS"):
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+PROXY_MIDDLEWARES = "chapters.ch09_scale_out.edge:proxy_middlewares"
+os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", PROXY_MIDDLEWARES)

@@ -22,15 +22,16 @@ log = logging.getLogger("chapters.ch09_scale_out.cluster")
 
 @contextmanager
 def local_cluster(host: str, port: int, cpus: float | None = None, address: str = "",
-                  dashboard: bool = False) -> Iterator[None]:
+                  dashboard: bool = False, log_to_driver: bool = True) -> Iterator[None]:
     """Start (or join, with ``address``) a Ray cluster and Serve's proxy on ``host:port``; stop both on exit.
 
     ``cpus``: the CPUs Ray may hand out (default: this machine's); replicas reserve ``--replica-cpus`` each.
+    ``log_to_driver``: relay every Ray process's output to this one's (off: only in the session's log files).
     """
     if address:
-        ray.init(address=address, logging_level=logging.WARNING)
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=log_to_driver)
     else:
-        ray.init(address="local", _node_ip_address=LOOPBACK, include_dashboard=dashboard,
+        ray.init(address="local", _node_ip_address=LOOPBACK, include_dashboard=dashboard, log_to_driver=log_to_driver,
                  num_cpus=cpus if cpus is not None else os.cpu_count(), logging_level=logging.WARNING)
     try:
         serve.start(http_options={"host": host, "port": port}, logging_config={"log_level": "WARNING"})

@@ -20,25 +20,77 @@ one replica answers exactly as chapter 8 does. What Serve needs from it, and whe
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import ray
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings
 from ray import serve
 
 from chapters.ch07_production.drain import DrainController
+from chapters.ch07_production.request_log import configure_json_logging
 from chapters.ch07_production.server import ProductionBackend
 from chapters.ch08_continuous_batching.server import ContinuousSettings, build_app
+from chapters.ch09_scale_out.routing import request_router_config
+from shared.settings import ServerSettings
 
 
-def deployment_options(settings: ContinuousSettings, num_replicas: int, replica_cpus: float) -> dict[str, Any]:
-    """Serve's options for the replicas, from chapter 8's limits and chapter 7's drain."""
+# check_health reads chapter 7's last verdict (no model work), so asking often is free; it is also how
+# Serve's controller notices a replica whose process died, so the period bounds how long that takes.
+HEALTH_CHECK_PERIOD_S = 1.0
+
+
+class ReplicaOptions(BaseSettings):
+    """How many copies of chapter 8's server, what each reserves, how requests reach them, which cluster."""
+
+    model_config = ServerSettings.model_config
+
+    num_replicas: int = Field(1, ge=1, description="copies of chapter 8's server behind Serve's proxy (with --max-replicas: the fewest)")
+    max_replicas: int = Field(0, ge=0, description="0: always --num-replicas; above it, Serve adds and removes replicas between the two by the requests each holds")
+    target_ongoing_requests: int = Field(0, ge=0, description="autoscaling's target of requests held per replica; 0: chapter 8's --max-num-seqs (a full batch)")
+    upscale_delay_s: float = Field(30.0, gt=0, description="autoscaling: how long load must stay above the target before a replica is added (Serve's default)")
+    downscale_delay_s: float = Field(600.0, gt=0, description="autoscaling: how long load must stay below the target before a replica is removed (Serve's default)")
+    replica_cpus: float = Field(1.0, gt=0, description="CPUs Ray reserves for each replica (fractions share a core)")
+    router: Literal["pow2", "least-tokens"] = Field("pow2", description="pow2: Serve's default (of two random replicas, fewer requests in flight) | least-tokens: fewest tokens owed (routing.py)")
+    ray_address: str = Field("", description="join this Ray cluster (e.g. auto; as SFS_RAY_ADDRESS); empty: start one on this machine, loopback only")
+    ray_dashboard: bool = Field(False, description="start Ray's dashboard with the local cluster (about 1 GB of memory)")
+
+    @model_validator(mode="after")
+    def _max_at_least_num(self) -> ReplicaOptions:
+        if self.max_replicas and self.max_replicas < self.num_replicas:
+            raise ValueError(f"--max-replicas ({self.max_replicas}) must be 0 or at least --num-replicas ({self.num_replicas})")
+        return self
+
+
+def autoscaling_config(settings: ContinuousSettings, options: ReplicaOptions) -> dict[str, Any] | None:
+    """Serve's autoscaling on requests held per replica, or None for a fixed count."""
+    if not options.max_replicas:
+        return None
     return {
-        "num_replicas": num_replicas,
+        "min_replicas": options.num_replicas,
+        "initial_replicas": options.num_replicas,
+        "max_replicas": options.max_replicas,
+        # a replica holding a full batch is busy: past that, its requests queue (chapter 8's waiting)
+        "target_ongoing_requests": options.target_ongoing_requests or settings.max_num_seqs,
+        "upscale_delay_s": options.upscale_delay_s,
+        "downscale_delay_s": options.downscale_delay_s,
+    }
+
+
+def deployment_options(settings: ContinuousSettings, options: ReplicaOptions) -> dict[str, Any]:
+    """Serve's options for the replicas, from chapter 8's limits, chapter 7's drain and the replica options."""
+    scaling = autoscaling_config(settings, options)
+    return {
+        **({"autoscaling_config": scaling} if scaling else {"num_replicas": options.num_replicas}),
         "max_ongoing_requests": settings.max_num_seqs + settings.max_queue,
         "max_queued_requests": settings.max_queue,
         "graceful_shutdown_timeout_s": settings.drain_timeout_s,
+        "health_check_period_s": HEALTH_CHECK_PERIOD_S,
+        "request_router_config": request_router_config(options.router),
+        # chapter 7's request log already records each request; Serve's access log would say it again
+        "logging_config": {"log_level": settings.log_level.upper(), "enable_access_log": False},
         # a scheduling unit for Ray, not a limit: the model's threads are --torch-threads
-        "ray_actor_options": {"num_cpus": replica_cpus},
+        "ray_actor_options": {"num_cpus": options.replica_cpus},
     }
 
 
@@ -105,6 +157,7 @@ class ContinuousReplica:
     def __init__(self, settings: dict[str, Any]) -> None:
         bind_replica_grpc_to_node_address()
         self.settings = ContinuousSettings.model_validate(settings)
+        configure_json_logging(self.settings.log_level)  # chapter 7's log lines, from the replica's process (Ray relays them)
 
     def __serve_build_asgi_app__(self):
         self.server_app = build_app(self.settings)

@@ -16,8 +16,6 @@ import signal
 import socket
 import sys
 
-from pydantic import Field
-from pydantic_settings import BaseSettings
 from ray import serve
 
 from chapters.ch04_memory_pool.server import PoolOptions
@@ -26,22 +24,11 @@ from chapters.ch07_production.request_log import configure_json_logging
 from chapters.ch07_production.server import ProductionOptions
 from chapters.ch08_continuous_batching.server import ContinuousSettings, SchedulerOptions
 from chapters.ch09_scale_out.cluster import local_cluster
-from chapters.ch09_scale_out.replica import ContinuousReplica, deployment_options
+from chapters.ch09_scale_out.replica import ContinuousReplica, ReplicaOptions, deployment_options
 from shared.settings import ServerSettings, parse_settings
 
 log = logging.getLogger("chapters.ch09_scale_out")
 APP_NAME = "ch09"
-
-
-class ReplicaOptions(BaseSettings):
-    """How many copies of chapter 8's server, what each reserves, which cluster."""
-
-    model_config = ServerSettings.model_config
-
-    num_replicas: int = Field(1, ge=1, description="copies of chapter 8's server behind Serve's proxy")
-    replica_cpus: float = Field(1.0, gt=0, description="CPUs Ray reserves for each replica (fractions share a core)")
-    ray_address: str = Field("", description="join this Ray cluster (e.g. auto; as SFS_RAY_ADDRESS); empty: start one on this machine, loopback only")
-    ray_dashboard: bool = Field(False, description="start Ray's dashboard with the local cluster (about 1 GB of memory)")
 
 
 class ScaleOutSettings(ReplicaOptions, SchedulerOptions, PoolOptions, EngineOptions, ProductionOptions, ServerSettings):
@@ -54,9 +41,9 @@ def replica_settings(settings: ScaleOutSettings) -> ContinuousSettings:
 
 
 def build_application(settings: ScaleOutSettings):
-    """The Serve application: ``--num-replicas`` replicas of chapter 8's server with options from its limits."""
+    """The Serve application: replicas of chapter 8's server, with Serve's options from its limits (``deployment_options``)."""
     replica = replica_settings(settings)
-    options = deployment_options(replica, settings.num_replicas, settings.replica_cpus)
+    options = deployment_options(replica, settings)
     return ContinuousReplica.options(**options).bind(replica.model_dump())
 
 

@@ -1,0 +1,196 @@
+"""The contract at the edge: what a client sees when Serve answers for the replicas, or a replica dies.
+
+Behind Serve's HTTP proxy, chapter 8's app answers every request it receives with the project's
+contract. Some answers never reach it. The proxy refuses on its own (no route: 404; its queue full or
+no replica up: 503; past its request timeout: 408), and its body is plain text. When the replica
+holding a request dies (its process killed, the machine gone), the proxy ends the request without
+a word: the client gets uvicorn's plain-text 500, or, when the answer was a stream, a stream that
+stops without an error event.
+
+:class:`ContractAtTheEdge` is an ASGI middleware on the proxy itself, through Serve's hook for
+that (``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` names :func:`proxy_middlewares`; this package
+sets it before Ray starts, and ``deploy/`` sets it for a cluster). It keeps the contract:
+
+- a plain-text error of Serve's becomes the contract's JSON, with the same status and headers
+  (503s gain the ``Retry-After`` every other 503 of the project sends);
+- a request whose replica ended it before sending a byte is sent again, once: nothing of it reached
+  the client, and with greedy decoding the second run answers exactly what the first would have
+  (Envoy's ``retry_on: reset`` is the same rule). The body is kept for that replay up to
+  ``REPLAY_LIMIT_BYTES``; a larger one, or a client that has gone, is not replayed. A replayed
+  answer says so in its headers (``X-Attempts: 2``), so a client or a drill can count replays.
+  Having read the body, the edge also writes the request's token budget into its headers for the
+  router (:mod:`~chapters.ch09_scale_out.routing`);
+- if that fails too, the client gets the contract's JSON 500 ``replica_failed``; a stream that was
+  cut gets its closing error event (``event: error`` on ``/v1/inference``, OpenAI's
+  ``data: {"error": ...}`` on the OpenAI routes) and a proper end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+
+from starlette.middleware import Middleware
+
+from chapters.ch08_continuous_batching.streaming import sse
+from chapters.ch09_scale_out.routing import TOKEN_BUDGET_HEADER, token_budget
+from shared.schemas import error_body
+
+log = logging.getLogger("chapters.ch09_scale_out.edge")
+
+REPLAY_LIMIT_BYTES = 1 << 20  # a request body kept for one replay; the contract's bodies are far smaller
+SERVE_ERROR_TYPES = {404: "not_found", 408: "deadline_exceeded", 429: "overloaded", 500: "replica_failed", 503: "unavailable"}
+ATTEMPTS_HEADER = b"x-attempts"
+REPLICA_FAILED = "the replica serving this request stopped before it finished (its process ended); retry it"
+
+
+def proxy_middlewares() -> list[Middleware]:
+    """Serve's proxy calls this (``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``) for the middlewares around it."""
+    return [Middleware(ContractAtTheEdge)]
+
+
+@dataclass
+class _Attempt:
+    """What one pass through the proxy sent to the client."""
+
+    started: bool = False
+    finished: bool = False
+    event_stream: bool = False
+    held: dict | None = None  # a plain-text error's start, kept until its body arrives
+    held_body: bytearray = field(default_factory=bytearray)
+
+
+class _ReplayableBody:
+    """The request body, read before the proxy routes the request: for its token budget and for a replay."""
+
+    def __init__(self, receive) -> None:
+        self.receive = receive
+        self.messages: list[dict] = []
+        self.size = 0
+        self.complete = False
+        self.disconnected = False
+
+    async def read(self) -> None:
+        """Read up to ``REPLAY_LIMIT_BYTES`` of body; the rest of a larger one streams through unread."""
+        while self.size <= REPLAY_LIMIT_BYTES:
+            message = await self.receive()
+            self.messages.append(message)
+            if message["type"] == "http.disconnect":
+                self.disconnected = True
+                return
+            self.size += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                self.complete = self.size <= REPLAY_LIMIT_BYTES
+                return
+
+    @property
+    def replayable(self) -> bool:
+        return self.complete and not self.disconnected
+
+    @property
+    def body(self) -> bytes | None:
+        return b"".join(m.get("body", b"") for m in self.messages) if self.complete else None
+
+    def replay(self):
+        """A ``receive`` for one attempt: what was read, then the client's own (its disconnect, or the rest)."""
+        recorded = list(self.messages)
+
+        async def receive() -> dict:
+            if recorded:
+                return recorded.pop(0)
+            message = await self.receive()
+            self.disconnected |= message["type"] == "http.disconnect"
+            return message
+
+        return receive
+
+
+def with_token_budget(scope: dict, body: bytes | None) -> dict:
+    """The scope with the request's token budget in its headers, for the router; a client's own is dropped."""
+    headers = [(k, v) for k, v in scope.get("headers", []) if bytes(k).lower() != TOKEN_BUDGET_HEADER]
+    budget = token_budget(body) if body is not None else None
+    if budget is not None:
+        headers.append((TOKEN_BUDGET_HEADER, str(budget).encode()))
+    return {**scope, "headers": headers}
+
+
+class ContractAtTheEdge:
+    """Middleware around Serve's proxy: the contract's JSON errors, one replay when a replica died first."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        body = _ReplayableBody(receive)
+        await body.read()
+        scope = with_token_budget(scope, body.body)
+        attempt = await self._attempt(scope, body.replay(), send, number=1)
+        if not attempt.started and body.replayable:
+            log.warning("%s %s: the replica ended the request before answering; sending it again", scope["method"], scope["path"])
+            attempt = await self._attempt(scope, body.replay(), send, number=2)
+        if attempt.finished or body.disconnected:
+            return
+        if not attempt.started:
+            await _send_json(send, 500, error_body("replica_failed", REPLICA_FAILED), [])
+        elif attempt.event_stream:
+            await send({"type": "http.response.body", "body": _stream_error(scope["path"]), "more_body": False})
+        # else: a JSON body cut half-way; ending it would pass off a truncated body as whole
+
+    async def _attempt(self, scope, receive, send, number: int) -> _Attempt:
+        attempt = _Attempt()
+
+        async def keep_the_contract(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                headers = dict(message.get("headers") or [])
+                content_type = bytes(headers.get(b"content-type", b""))
+                if message["status"] >= 400 and content_type.startswith(b"text/plain"):
+                    attempt.held = message  # Serve's own refusal: rewritten once its body is here
+                    return
+                attempt.started = True
+                attempt.event_stream = content_type.startswith(b"text/event-stream")
+                if number > 1:
+                    message = {**message, "headers": [*message.get("headers", []), (ATTEMPTS_HEADER, str(number).encode())]}
+            elif message["type"] == "http.response.body":
+                if attempt.held is not None:
+                    attempt.held_body += message.get("body", b"")
+                    if message.get("more_body", False):
+                        return
+                    attempt.started = attempt.finished = True
+                    await _send_serve_error(send, attempt.held, attempt.held_body.decode("utf-8", "replace"))
+                    return
+                attempt.finished = not message.get("more_body", False)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, keep_the_contract)
+        except Exception:  # the proxy failed before or while answering: the caller answers in its place
+            log.exception("%s %s: Serve's proxy failed", scope["method"], scope["path"])
+        return attempt
+
+
+async def _send_serve_error(send, start: dict, text: str) -> None:
+    status = start["status"]
+    headers = [(k, v) for k, v in start.get("headers") or [] if bytes(k).lower() not in (b"content-type", b"content-length")]
+    if status == 503 and not any(bytes(k).lower() == b"retry-after" for k, _ in headers):
+        headers.append((b"retry-after", b"1"))
+    message = text.strip() or f"Serve answered {status} for the replicas"
+    await _send_json(send, status, error_body(SERVE_ERROR_TYPES.get(status, "serve_error"), message), headers)
+
+
+async def _send_json(send, status: int, body: dict, headers: list) -> None:
+    payload = json.dumps(body).encode()
+    headers = [*headers, (b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload, "more_body": False})
+
+
+def _stream_error(path: str) -> bytes:
+    """The event that ends a cut stream, in the stream's own dialect."""
+    body = error_body("replica_failed", REPLICA_FAILED)
+    if path.startswith("/v1/inference"):
+        return sse(body, event="error")
+    return sse(body)  # the OpenAI routes: the client raises APIError from an "error" payload
