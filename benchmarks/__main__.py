@@ -3,10 +3,12 @@
     run       one chapter:       --chapter ch02 --profile cpu [--workload long] [--server-arg=--workers=2 --label ch01-workers]
     climb     every chapter:     --profile auto [--chapters ch01,ch02] [--ceiling] [--save-reference]
     openloop  offered rates swept upward (Poisson arrivals): --profile cpu --chapters ch02,ch06 [--rates 2,5,10]
-    ceiling   the harness's own limit (Locust against an instant endpoint)
+    ceiling   the harness's own limit (Locust against an instant endpoint)  [--workers N]
     report    redraw the table and plots from a results directory
     reference copy results/<profile>/ to reference/<profile>/ (committed) and redraw there
     readme    rewrite the <!-- results:KEY --> blocks of README.md and chapters/*/README.md
+
+run, climb, openloop and ceiling take --workers N: Locust's distributed mode for the load generator.
 """
 
 from __future__ import annotations
@@ -38,6 +40,26 @@ def _rates(text: str) -> list[float]:
     return rates
 
 
+def _loadgen_workers(text: str) -> int:
+    try:
+        workers = int(text)
+    except ValueError:
+        workers = -1
+    if workers < 0:
+        raise argparse.ArgumentTypeError("--workers is 0 (one Locust process) or a positive number of Locust workers")
+    return workers
+
+
+def _add_loadgen(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--workers", type=_loadgen_workers, default=0, dest="loadgen_workers", metavar="N",
+        help="Locust workers, for the load generator (the server's own --workers goes in --server-arg): 0, the "
+             "default, runs Locust as one process, as before; N >= 1 runs Locust's distributed mode, a master and N "
+             "worker processes on 127.0.0.1 only, the users (or the open loop's rate) split between the workers and "
+             "every worker's requests merged; each worker gets its own core where the machine has one to spare",
+    )
+
+
 def _add_common(parser: argparse.ArgumentParser, *, profile_default: str = "auto") -> None:
     parser.add_argument("--profile", choices=PROFILE_NAMES, default=profile_default, help="auto: gpu where CUDA is available, else cpu")
     parser.add_argument("--out", type=Path, help="results directory (default: benchmarks/results/<profile>)")
@@ -63,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--label", help="name of this variant's results (default: the chapter id)")
     _add_common(run)
     _add_measuring(run)
+    _add_loadgen(run)
     run.add_argument("--no-calibration", action="store_true", help="skip the machine's calibration (a few seconds)")
 
     climb = commands.add_parser("climb", help="benchmark every chapter in order, then the table and plots")
@@ -72,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="N interleaved rounds; each chapter keeps its median run (a shared machine's noise)")
     _add_common(climb)
     _add_measuring(climb)
+    _add_loadgen(climb)
 
     openloop = commands.add_parser("openloop", help="offered rates swept upward per chapter (the knee)")
     openloop.add_argument("--chapters", type=lambda text: [c.strip() for c in text.split(",") if c.strip()],
@@ -83,10 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     openloop.add_argument("--workload", choices=sorted(WORKLOADS), default="default")
     openloop.add_argument("--weights", help="override the profile's --weights")
     openloop.add_argument("--save-reference", action="store_true", help="also copy the results to benchmarks/reference/<profile>/openloop/")
+    _add_loadgen(openloop)
 
     ceiling = commands.add_parser("ceiling", help="the load generator's own ceiling against an instant endpoint")
     ceiling.add_argument("--save-reference", action="store_true")
     _add_common(ceiling)
+    _add_loadgen(ceiling)
 
     report = commands.add_parser("report", help="redraw the table and plots from existing results")
     report.add_argument("--workload", choices=sorted(WORKLOADS), default="default")
@@ -131,6 +157,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     result, path = run_chapter(
         args.chapter, profile, workload=args.workload, extra_server_args=args.server_arg, label=args.label,
         out_dir=args.out, levels=args.levels, weights=args.weights, calibrate=not args.no_calibration,
+        loadgen_workers=args.loadgen_workers,
     )
     _print_report(path.parent, args.workload)
     if args.save_reference:
@@ -148,8 +175,9 @@ def cmd_climb(args: argparse.Namespace) -> int:
     if args.ceiling:
         from benchmarks.ceiling import run_ceiling
 
-        saved.append(run_ceiling(profile, out_dir=args.out)[1])
-    options = dict(chapters=args.chapters, workload=args.workload, levels=args.levels, weights=args.weights)
+        saved.append(run_ceiling(profile, out_dir=args.out, workers=args.loadgen_workers)[1])
+    options = dict(chapters=args.chapters, workload=args.workload, levels=args.levels, weights=args.weights,
+                   loadgen_workers=args.loadgen_workers)
     if args.repeat > 1:
         outcome = climb_repeated(profile, args.repeat, out_dir=args.out, **options)
     else:
@@ -175,6 +203,7 @@ def cmd_openloop(args: argparse.Namespace) -> int:
     outcome = open_loop_climb(
         profile, chapters=args.chapters, rates=args.rates, workload=args.workload,
         extra_server_args=args.server_arg, label=args.label, out_dir=args.out, weights=args.weights,
+        loadgen_workers=args.loadgen_workers,
     )
     print(f"open-loop sweep finished in {time.monotonic() - began:.0f} s")
     _print_report(results_dir(profile, args.out), args.workload)
@@ -189,7 +218,7 @@ def cmd_ceiling(args: argparse.Namespace) -> int:
     from benchmarks.ceiling import run_ceiling
 
     profile = get_profile(args.profile)
-    _, path = run_ceiling(profile, out_dir=args.out)
+    _, path = run_ceiling(profile, out_dir=args.out, workers=args.loadgen_workers)
     if args.save_reference:
         _save_reference([path], profile.name)
     return 0

@@ -2,7 +2,8 @@
 
 One chapter (:func:`run_chapter`) or every chapter in order (:func:`climb`). Everything a figure
 depends on is set explicitly and recorded: the model flags, the thread count and thread variables,
-the cores of the server and of the load generator, the workload and its seed.
+the cores of the server and of the load generator, the workload and its seed, and how Locust ran (one
+process, or ``loadgen_workers`` workers under a master: :mod:`benchmarks.loadgen`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from benchmarks.results import (
     BenchmarkResult,
     Calibration,
     LevelResult,
+    LoadGenerator,
     OpenLoopConfig,
     OpenLoopLevel,
     OpenLoopResult,
@@ -83,9 +85,41 @@ def server_args_for(profile: Profile, extra_args: Sequence[str] = (), weights: s
     return [*args, *extra_args]
 
 
+def core_plan_for(
+    profile: Profile, loadgen_workers: int = 0, available: list[int] | None = None
+) -> tuple[list[int] | None, list[int] | None]:
+    """``(server_cores, loadgen_cores)``: the profile's plan, where Locust's workers get a core each.
+
+    The profile gives the load generator one core. ``loadgen_workers`` workers (their master mostly
+    idles) get one core per worker, taken from the end of the usable cores, as far as the server keeps
+    at least one; on a machine without cores to spare they share the profile's one (recorded as such).
+    """
+    if available is None:
+        available = list(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    available = sorted(available)
+    server, loadgen = profile.core_plan(available)
+    extra = min(loadgen_workers - 1, len(available) - 2)
+    if server is None or extra <= 0:
+        return server, loadgen
+    server, first = profile.core_plan(available[: len(available) - extra])
+    return server, [*first, *available[len(available) - extra:]]
+
+
+def describe_load_generator(workers: int) -> str:
+    """How Locust ran, in words: for the progress lines and the report."""
+    if workers <= 0:
+        return "one Locust process"
+    return f"Locust distributed: a master and {workers} worker{'s' if workers > 1 else ''}"
+
+
+def loadgen_flags(workers: int) -> list[str]:
+    """The command-line flag that reproduces ``workers`` (none for the default, one process)."""
+    return ["--workers", str(workers)] if workers else []
+
+
 def reproduce_command(
     chapter: str, profile: Profile, workload: Workload, extra_args: Sequence[str], label: str,
-    levels: Sequence[int] | None, weights: str | None,
+    levels: Sequence[int] | None, weights: str | None, loadgen_workers: int = 0,
 ) -> str:
     parts = ["python", "-m", "benchmarks", "run", "--chapter", chapter, "--profile", profile.name]
     if workload.name != "default":
@@ -94,6 +128,7 @@ def reproduce_command(
         parts += ["--weights", weights]
     if levels is not None:
         parts += ["--levels", ",".join(map(str, levels))]
+    parts += loadgen_flags(loadgen_workers)
     parts += [f"--server-arg={arg}" for arg in extra_args]
     if label != chapter:
         parts += ["--label", label]
@@ -191,11 +226,13 @@ def run_chapter(
     weights: str | None = None,
     seed: int = DEFAULT_SEED,
     calibrate: bool = True,
+    loadgen_workers: int = 0,
     progress: Progress = print,
 ) -> tuple[BenchmarkResult, Path]:
     """Benchmark one chapter on ``profile``; returns the validated result and the JSON file it was written to.
 
     ``calibrate``: measure the machine first (:mod:`benchmarks.calibration`, a few seconds) and keep it in the result.
+    ``loadgen_workers``: 0 runs Locust as one process; N >= 1 as a master and N workers (:func:`core_plan_for`).
 
     The server gets the profile's cores, thread settings and model flags, then ``extra_server_args``
     (a variant such as ``--workers=2``, which should then get its own ``label``).
@@ -204,14 +241,15 @@ def run_chapter(
     chosen_workload = get_workload(workload)
     chosen_levels = list(levels) if levels is not None else list(profile.levels)
     directory = results_dir(profile, out_dir)
-    server_cores, loadgen_cores = profile.core_plan()
+    server_cores, loadgen_cores = core_plan_for(profile, loadgen_workers)
     environment = collect_environment(profile, server_cores, loadgen_cores)
     args = server_args_for(profile, extra_server_args, weights)
     work_dir = directory / "runs" / (label if chosen_workload.name == "default" else f"{label}-{chosen_workload.name}")
     work_dir.mkdir(parents=True, exist_ok=True)
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
     calibration = run_calibration(profile, server_cores, weights, progress) if calibrate else None
-    progress(f"{label} [{profile.name}, {chosen_workload.name}]: starting {module_for(chapter)} {' '.join(args)}")
+    progress(f"{label} [{profile.name}, {chosen_workload.name}, {describe_load_generator(loadgen_workers)}]: "
+             f"starting {module_for(chapter)} {' '.join(args)}")
 
     launched = time.monotonic()
     with running_server(
@@ -226,7 +264,7 @@ def run_chapter(
             plan = LevelPlan(
                 users=users, min_s=profile.min_level_s, max_s=profile.max_level_s,
                 target_requests=profile.target_requests, workload=chosen_workload, seed=seed,
-                vocab_size=profile.vocab_size, request_timeout_s=profile.request_timeout_s,
+                vocab_size=profile.vocab_size, request_timeout_s=profile.request_timeout_s, workers=loadgen_workers,
             )
             level = run_level(server.url, plan, server_pid=server.pid, loadgen_cores=loadgen_cores, work_dir=work_dir,
                               stats_source=stats_source)
@@ -247,7 +285,9 @@ def run_chapter(
             min_level_s=profile.min_level_s, max_level_s=profile.max_level_s,
             target_requests=profile.target_requests, warmup_requests=profile.warmup_requests,
             server_args=args, server_command=command,
-            reproduce=reproduce_command(chapter, profile, chosen_workload, extra_server_args, label, levels, weights),
+            reproduce=reproduce_command(chapter, profile, chosen_workload, extra_server_args, label, levels, weights,
+                                        loadgen_workers),
+            load_generator=LoadGenerator(workers=loadgen_workers),
         ),
         server=ServerRun(startup_s=startup_s, warmup_s=warmup_s, exit_code=exit_code),
         levels=level_results,
@@ -286,7 +326,7 @@ def describe_open_level(label: str, level: OpenLoopLevel) -> str:
 
 
 def open_loop_reproduce(chapter: str, profile: Profile, workload: Workload, rates: Sequence[float] | None,
-                        weights: str | None, extra_args: Sequence[str], label: str) -> str:
+                        weights: str | None, extra_args: Sequence[str], label: str, loadgen_workers: int = 0) -> str:
     parts = ["python", "-m", "benchmarks", "openloop", "--chapters", chapter, "--profile", profile.name]
     if workload.name != "default":
         parts += ["--workload", workload.name]
@@ -294,6 +334,7 @@ def open_loop_reproduce(chapter: str, profile: Profile, workload: Workload, rate
         parts += ["--rates", ",".join(f"{r:g}" for r in rates)]
     if weights is not None:
         parts += ["--weights", weights]
+    parts += loadgen_flags(loadgen_workers)
     parts += [f"--server-arg={arg}" for arg in extra_args]
     if label != chapter:
         parts += ["--label", label]
@@ -312,11 +353,13 @@ def run_open_loop(
     weights: str | None = None,
     seed: int = DEFAULT_SEED,
     calibrate: bool = True,
+    loadgen_workers: int = 0,
     progress: Progress = print,
 ) -> tuple[OpenLoopResult, Path]:
     """Sweep ``chapter`` with Poisson arrivals at each offered rate of the profile (or ``rates``), upward,
     on one server; stop after the first rate that breaks the profile's bounds. Writes
-    ``<out>/openloop/<label>.json``; returns the result and its path."""
+    ``<out>/openloop/<label>.json``; returns the result and its path. ``loadgen_workers`` N >= 1 splits
+    each rate between N Locust workers (their arrivals add up to the rate)."""
     settings = profile.open_loop
     if settings is None:
         raise ValueError(f"the {profile.name!r} profile has no open-loop settings")
@@ -326,14 +369,15 @@ def run_open_loop(
     if not ladder or ladder[0] <= 0:
         raise ValueError(f"offered rates must be positive, got {ladder}")
     directory = results_dir(profile, out_dir)
-    server_cores, loadgen_cores = profile.core_plan()
+    server_cores, loadgen_cores = core_plan_for(profile, loadgen_workers)
     environment = collect_environment(profile, server_cores, loadgen_cores)
     args = server_args_for(profile, extra_server_args, weights)
     work_dir = directory / "runs" / "openloop" / (label if chosen_workload.name == "default" else f"{label}-{chosen_workload.name}")
     work_dir.mkdir(parents=True, exist_ok=True)
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
     calibration = run_calibration(profile, server_cores, weights, progress) if calibrate else None
-    progress(f"{label} open loop [{profile.name}]: rates {', '.join(f'{r:g}' for r in ladder)}/s")
+    progress(f"{label} open loop [{profile.name}, {describe_load_generator(loadgen_workers)}]: "
+             f"rates {', '.join(f'{r:g}' for r in ladder)}/s")
     launched = time.monotonic()
     stopped = None
     with running_server(
@@ -349,6 +393,7 @@ def run_open_loop(
                 rate=rate, lead_in_s=settings.lead_in_s, window_s=settings.window_s(rate), drain_s=settings.drain_s,
                 max_outstanding=settings.max_outstanding, slo_ms=settings.slo_ms, workload=chosen_workload,
                 seed=seed, vocab_size=profile.vocab_size, request_timeout_s=profile.request_timeout_s,
+                workers=loadgen_workers,
             )
             level = run_open_level(server.url, plan, server_pid=server.pid, loadgen_cores=loadgen_cores,
                                    work_dir=work_dir, stats_source=stats_source)
@@ -370,7 +415,9 @@ def run_open_loop(
             target_requests=settings.target_requests, drain_s=settings.drain_s,
             max_outstanding=settings.max_outstanding, slo_ms=settings.slo_ms, stop_p99_ms=settings.stop_p99_ms,
             stop_error_share=settings.stop_error_share, server_args=args, server_command=command,
-            reproduce=open_loop_reproduce(chapter, profile, chosen_workload, rates, weights, extra_server_args, label),
+            reproduce=open_loop_reproduce(chapter, profile, chosen_workload, rates, weights, extra_server_args, label,
+                                          loadgen_workers),
+            load_generator=LoadGenerator(workers=loadgen_workers),
         ),
         server=ServerRun(startup_s=startup_s, warmup_s=warmup_s, exit_code=server.process.returncode),
         levels=levels,
@@ -422,6 +469,7 @@ def climb(
     out_dir: Path | None = None,
     levels: Sequence[int] | None = None,
     weights: str | None = None,
+    loadgen_workers: int = 0,
     progress: Progress = print,
 ) -> ClimbOutcome:
     """Every chapter in order on the same profile; chapters not built yet are skipped with a note.
@@ -440,7 +488,8 @@ def climb(
         began = time.monotonic()
         try:
             _, path = run_chapter(
-                chapter, profile, workload=workload, out_dir=out_dir, levels=levels, weights=weights, progress=progress
+                chapter, profile, workload=workload, out_dir=out_dir, levels=levels, weights=weights,
+                loadgen_workers=loadgen_workers, progress=progress,
             )
         except Exception as exc:  # noqa: BLE001 - one broken chapter must not hide the others' figures
             outcome.failed[chapter] = f"{type(exc).__name__}: {exc}"

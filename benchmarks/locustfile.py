@@ -38,6 +38,23 @@ are awaited for ``SFS_BENCH_DRAIN_S``; the ones still missing are recorded as un
 Every response is checked (status 200, exactly max_new_tokens ids, ids inside the vocabulary);
 failures are reported to Locust with ``catch_response`` and counted by status code in the records.
 Each record also keeps the server's own ``timings_ms`` and the prompt's length.
+
+Distributed mode (Locust's ``--master`` / ``--worker``, started by the harness with ``--workers N``):
+every process imports this file; the master runs no users, the workers run them, and each process
+writes its own records file (the harness merges them). What one process decides alone above is
+agreed through Locust's custom messages, because no worker sees the others' users:
+
+- closed loop: a worker reports when all *its* users have had a first answer (``sfs_steady``); once
+  every worker has, the master opens the window at the latest of those times and tells the workers
+  (``sfs_window``); they report their successes finished since (``sfs_measured``), and the master
+  applies the target / minimum / maximum times to their sum and stops every process at once.
+- open loop: each worker runs one ``OpenLoopUser`` at its share of the rate (the harness divides the
+  rate and the in-flight cap); the master gives every worker the same start time (``sfs_start``),
+  each reports when its arrivals and drain are over (``sfs_done``), and the master then stops them all.
+  A worker never quits alone: Locust would hand its users to the other workers.
+
+    SFS_BENCH_WORKERS          the run's number of workers (0 or unset: one process, no master)
+    SFS_BENCH_WORKER_INDEX     this worker's index in [0, SFS_BENCH_WORKERS): its prompt and arrival streams
 """
 
 from __future__ import annotations
@@ -49,7 +66,9 @@ import random
 import time
 
 import gevent
+from gevent.event import AsyncResult
 from locust import FastHttpUser, constant, events, task
+from locust.runners import STATE_CLEANUP, STATE_STOPPED, STATE_STOPPING, MasterRunner, WorkerRunner
 
 from benchmarks.workload import DEFAULT_SEED, PromptStream, check_response, get_workload
 
@@ -65,6 +84,15 @@ OPEN_RATE = float(os.environ.get("SFS_BENCH_OPEN_RATE", 0))
 OPEN_SECONDS = float(os.environ.get("SFS_BENCH_OPEN_SECONDS", 0))
 MAX_OUTSTANDING = int(os.environ.get("SFS_BENCH_MAX_OUTSTANDING", 256))
 DRAIN_S = float(os.environ.get("SFS_BENCH_DRAIN_S", 10))
+WORKERS = int(os.environ.get("SFS_BENCH_WORKERS", 0))
+WORKER_INDEX = int(os.environ.get("SFS_BENCH_WORKER_INDEX", 0))
+STOP_POLL_S = 0.05  # how often the early stop is checked, and how often a worker reports its count
+# The open loop's common start lies this far ahead of the master's message, so that every worker has
+# it before the first arrival (loopback messages take milliseconds).
+OPEN_START_MARGIN_S = 0.25
+
+SINGLE, MASTER, WORKER = "single", "master", "worker"
+_role = SINGLE  # set at init from Locust's runner
 
 
 class Run:
@@ -89,11 +117,33 @@ class Run:
     max_outstanding_seen = 0
     measured_ok = 0  # successes finished inside the window: the sample so far
     stopped_by = "time_limit"  # or "request_target" when the sample was big enough before the time was up
+    # distributed mode, on a worker
+    window_opens_at: float | None = None  # the run's window, from the master (this worker's steady_at is its own)
+    open_start: AsyncResult = AsyncResult()  # the open loop's common start time, from the master
+    open_loop_done = False  # its arrivals and drain are over
+    # distributed mode, on the master
+    steady_by_worker: dict[int, float] = {}
+    measured_by_worker: dict[int, int] = {}
+    done_workers: set[int] = set()
 
     @classmethod
     def open_window_if_steady(cls) -> None:
         if cls.steady_at is None and cls.users_total is not None and len(cls.users_answered) >= cls.users_total:
             cls.steady_at = time.time()
+            if _role == WORKER:
+                _environment.runner.send_message("sfs_steady", {"worker": WORKER_INDEX, "at": cls.steady_at})
+
+    @classmethod
+    def counts_toward_sample(cls, finished_at: float) -> bool:
+        """Whether a success finishing at ``finished_at`` belongs to the window's sample (the early stop's count)."""
+        if _role == WORKER:
+            return cls.window_opens_at is not None and finished_at >= cls.window_opens_at
+        return cls.steady_at is not None
+
+    @classmethod
+    def measured_so_far(cls) -> int:
+        """Successes finished inside the window, over every process of the run."""
+        return sum(cls.measured_by_worker.values()) if _role == MASTER else cls.measured_ok
 
 
 _user_numbers = itertools.count()
@@ -105,7 +155,9 @@ class InferenceUser(FastHttpUser):
     connection_timeout = TIMEOUT_S
 
     def on_start(self) -> None:
-        self.number = next(_user_numbers)
+        local_number = next(_user_numbers)
+        # Workers interleave their numbers so that no two users of a run share a prompt stream.
+        self.number = local_number if _role == SINGLE else WORKER_INDEX + WORKERS * local_number
         self.prompts = PromptStream(WORKLOAD, SEED, self.number)
 
     @task
@@ -135,12 +187,12 @@ def send_and_record(client, body: dict) -> None:
     timings = payload.get("timings_ms") if reason is None else None
     timings = timings if isinstance(timings, dict) else None
     Run.requests.append([started_wall, latency_s, status, reason is None, tokens, reason, timings, len(body["input_ids"])])
-    if reason is None and Run.steady_at is not None:  # finished inside the window
+    if reason is None and Run.counts_toward_sample(started_wall + latency_s):  # finished inside the window
         Run.measured_ok += 1
 
 
 class OpenLoopUser(FastHttpUser):
-    """The arrival clock of the open loop (run exactly one). See the module's docstring."""
+    """The arrival clock of the open loop (run exactly one per process). See the module's docstring."""
 
     network_timeout = TIMEOUT_S
     connection_timeout = TIMEOUT_S
@@ -150,10 +202,16 @@ class OpenLoopUser(FastHttpUser):
     def arrive(self) -> None:
         if OPEN_RATE <= 0 or OPEN_SECONDS <= 0:
             raise RuntimeError("OpenLoopUser needs SFS_BENCH_OPEN_RATE and SFS_BENCH_OPEN_SECONDS")
-        gaps = random.Random(SEED)  # the arrival times: the same for every chapter at a given rate
-        prompts = PromptStream(WORKLOAD, SEED, 0)
+        # The arrival times: the same for every chapter at a given rate (and number of workers). Worker
+        # 0's streams are the single process's; independent Poisson streams add up to a Poisson stream.
+        gaps = random.Random(SEED + WORKER_INDEX)
+        prompts = PromptStream(WORKLOAD, SEED, WORKER_INDEX)
         in_flight: dict[gevent.Greenlet, float] = {}  # greenlet -> its arrival time
-        began = time.time()
+        if _role == WORKER:
+            began = Run.open_start.get()  # every worker's clock starts at the same instant
+            gevent.sleep(max(0.0, began - time.time()))
+        else:
+            began = time.time()
         Run.first_arrival_at = Run.steady_at = began
         next_at = began
         while next_at < began + OPEN_SECONDS:
@@ -175,6 +233,11 @@ class OpenLoopUser(FastHttpUser):
             Run.unfinished_at.append(arrived)
             greenlet.kill(block=False)
         Run.stopped_by = "time_limit"
+        if _role == WORKER:
+            Run.open_loop_done = True
+            self.environment.runner.send_message("sfs_done", {"worker": WORKER_INDEX})
+            while True:  # the master stops every worker once all are done; never reach a second round
+                gevent.sleep(1)
         self.environment.runner.quit()
         gevent.sleep(60)  # quit() stops this greenlet; never reach a second round
 
@@ -187,11 +250,11 @@ def _stop_when_measured(environment) -> None:
     Locust's -t still bounds the whole run.
     """
     while True:
-        gevent.sleep(0.05)
+        gevent.sleep(STOP_POLL_S)
         if Run.steady_at is None:
             continue
         elapsed = time.time() - Run.steady_at
-        enough = TARGET_REQUESTS > 0 and Run.measured_ok >= TARGET_REQUESTS and elapsed >= MIN_SECONDS
+        enough = TARGET_REQUESTS > 0 and Run.measured_so_far() >= TARGET_REQUESTS and elapsed >= MIN_SECONDS
         out_of_time = MAX_SECONDS > 0 and elapsed >= MAX_SECONDS
         if enough or out_of_time:
             Run.stopped_by = "request_target" if enough else "time_limit"
@@ -201,10 +264,59 @@ def _stop_when_measured(environment) -> None:
 
 @events.spawning_complete.add_listener
 def _on_spawning_complete(user_count: int, **_kwargs) -> None:
-    Run.users_total = user_count
+    if _role == MASTER:  # it runs no users: it starts the open loop's clocks, or watches the closed loop's sample
+        if OPEN_RATE > 0:
+            _environment.runner.send_message("sfs_start", {"at": time.time() + OPEN_START_MARGIN_S})
+        elif TARGET_REQUESTS > 0 or MAX_SECONDS > 0:
+            gevent.spawn(_stop_when_measured, _environment)
+        return
+    # A worker hears the run's total from the master; its own window waits for its own users only.
+    Run.users_total = _environment.runner.target_user_count if _role == WORKER else user_count
     Run.open_window_if_steady()
-    if TARGET_REQUESTS > 0 or MAX_SECONDS > 0:
+    if _role == SINGLE and (TARGET_REQUESTS > 0 or MAX_SECONDS > 0):
         gevent.spawn(_stop_when_measured, _environment)
+
+
+# ---------------------------------------------------------------- distributed mode: the messages
+
+
+def _on_worker_steady(environment, msg, **_kwargs) -> None:
+    """Master: a worker's users have all had a first answer; once every worker's have, the window opens."""
+    Run.steady_by_worker[msg.data["worker"]] = msg.data["at"]
+    if Run.steady_at is None and len(Run.steady_by_worker) >= WORKERS:
+        Run.steady_at = max(Run.steady_by_worker.values())
+        environment.runner.send_message("sfs_window", {"opens_at": Run.steady_at})
+
+
+def _on_worker_measured(environment, msg, **_kwargs) -> None:
+    Run.measured_by_worker[msg.data["worker"]] = msg.data["ok"]
+
+
+def _on_worker_done(environment, msg, **_kwargs) -> None:
+    """Master: a worker's open loop is over; once every worker's is, stop them all."""
+    Run.done_workers.add(msg.data["worker"])
+    if len(Run.done_workers) >= WORKERS:
+        # In its own greenlet: quit() kills the runner's greenlets, the one delivering this message among them.
+        gevent.spawn(environment.runner.quit)
+
+
+def _on_window(environment, msg, **_kwargs) -> None:
+    """Worker: the run's window opened at ``opens_at`` (maybe before this message arrived): count from there."""
+    opens_at = msg.data["opens_at"]
+    Run.measured_ok = sum(1 for r in Run.requests if r[3] and r[0] + r[1] >= opens_at)
+    Run.window_opens_at = opens_at
+    gevent.spawn(_report_measured, environment)
+
+
+def _report_measured(environment) -> None:
+    """Worker: its count, to the master, until the master stops the run (no message into a closing connection)."""
+    while environment.runner.state not in (STATE_STOPPING, STATE_CLEANUP, STATE_STOPPED):
+        environment.runner.send_message("sfs_measured", {"worker": WORKER_INDEX, "ok": Run.measured_ok})
+        gevent.sleep(STOP_POLL_S)
+
+
+def _on_open_start(environment, msg, **_kwargs) -> None:
+    Run.open_start.set(msg.data["at"])
 
 
 _environment = None  # Locust's Environment, kept at init: the spawning_complete event does not pass it
@@ -212,8 +324,17 @@ _environment = None  # Locust's Environment, kept at init: the spawning_complete
 
 @events.init.add_listener
 def _on_init(environment, **_kwargs) -> None:
-    global _environment
+    global _environment, _role
     _environment = environment
+    if isinstance(environment.runner, MasterRunner):
+        _role = MASTER
+        environment.runner.register_message("sfs_steady", _on_worker_steady)
+        environment.runner.register_message("sfs_measured", _on_worker_measured)
+        environment.runner.register_message("sfs_done", _on_worker_done)
+    elif isinstance(environment.runner, WorkerRunner):
+        _role = WORKER
+        environment.runner.register_message("sfs_window", _on_window)
+        environment.runner.register_message("sfs_start", _on_open_start)
 
 
 # test_stopping fires before the users are stopped (Locust >= 2.16); older versions only have test_stop.
@@ -241,6 +362,12 @@ def _write_records(**_kwargs) -> None:
                 "dropped_at": Run.dropped_at,
                 "unfinished_at": Run.unfinished_at,
                 "max_outstanding_seen": Run.max_outstanding_seen,
+                "role": _role,
+                "workers": WORKERS,
+                "worker_index": WORKER_INDEX if _role == WORKER else None,
+                "open_loop_done": Run.open_loop_done,
+                "steady_by_worker": Run.steady_by_worker,
+                "done_workers": sorted(Run.done_workers),
             },
             handle,
         )

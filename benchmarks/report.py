@@ -36,15 +36,15 @@ import matplotlib
 from matplotlib.figure import Figure
 
 from benchmarks.article import ARTICLE, ARTICLE_CHAPTERS, BASELINE
-from benchmarks.harness import chapter_is_built
+from benchmarks.harness import chapter_is_built, describe_load_generator
 from benchmarks.results import (
     REFERENCE_ROOT,
     BenchmarkResult,
     Calibration,
     OpenLoopResult,
     find_calibration,
-    load_ceiling,
     load_open_loop_results,
+    load_result,
     load_results,
 )
 
@@ -339,6 +339,21 @@ def representative(results: Mapping[str, BenchmarkResult]) -> BenchmarkResult:
     return next((r for r in results.values() if r.label == r.chapter), None) or next(iter(results.values()))
 
 
+def loadgen_workers_of(result: BenchmarkResult | OpenLoopResult) -> int:
+    """The Locust workers of a result's load generator; 0: one process (so are files from before it was recorded)."""
+    generator = result.config.load_generator
+    return generator.workers if generator is not None else 0
+
+
+def loadgen_cores_of(result: BenchmarkResult) -> int:
+    """How many cores the load generator could use: its pinned cores, else one per Locust process that runs
+    users (each is a single gevent thread)."""
+    env = result.environment
+    if env.pinning and env.loadgen_cores:
+        return len(env.loadgen_cores)
+    return max(1, loadgen_workers_of(result))
+
+
 def environment_line(results: Mapping[str, BenchmarkResult]) -> str:
     """One sentence on where the figures come from (from the first result; differences are warned about)."""
     if not results:
@@ -349,6 +364,8 @@ def environment_line(results: Mapping[str, BenchmarkResult]) -> str:
     pinning = (
         f"server on cores {env.server_cores}, Locust on {env.loadgen_cores}" if env.pinning else "no core pinning"
     )
+    if loadgen_workers_of(first):  # one process, the default, goes unsaid: the sentence stays as it always was
+        pinning += f"; {describe_load_generator(loadgen_workers_of(first))}"
     commit = (env.git_commit or "unknown")[:10] + (" (dirty)" if env.git_dirty else "")
     return (
         f"Profile `{config.profile}`, workload `{config.workload}` ({config.max_new_tokens} new tokens, prompts "
@@ -366,16 +383,19 @@ def warnings_for(results: Mapping[str, BenchmarkResult]) -> list[str]:
     a small latency sample, results from different code."""
     warnings = []
     for label, result in results.items():
+        cores = loadgen_cores_of(result)  # a distributed load generator's CPU is summed over its processes
+        budget = LOADGEN_CPU_WARNING_PERCENT * cores
+        its_cores = "its core" if cores == 1 else f"its {cores} cores (100 % = one core)"
         for level in result.levels:
             used, waited = level.loadgen_cpu_percent, level.loadgen_cpu_wait_percent
-            if used is not None and used > LOADGEN_CPU_WARNING_PERCENT:
+            if used is not None and used > budget:
                 warnings.append(
-                    f"{label} at {level.users} users: the load generator used {used:.0f} % of its core; "
+                    f"{label} at {level.users} users: the load generator used {used:.0f} % of {its_cores}; "
                     f"this figure may measure Locust, not the server."
                 )
-            elif used is not None and waited is not None and used + waited > LOADGEN_CPU_WARNING_PERCENT:
+            elif used is not None and waited is not None and used + waited > budget:
                 warnings.append(
-                    f"{label} at {level.users} users: the load generator used {used:.0f} % of its core and waited "
+                    f"{label} at {level.users} users: the load generator used {used:.0f} % of {its_cores} and waited "
                     f"{waited:.0f} % for it (other processes on its core): this figure may measure the client's starvation."
                 )
         server_waits = [lvl.server_cpu_wait_percent for lvl in result.levels if lvl.server_cpu_wait_percent is not None]
@@ -407,21 +427,48 @@ def warnings_for(results: Mapping[str, BenchmarkResult]) -> list[str]:
     commits = {(r.environment.git_commit, r.environment.git_dirty) for r in results.values()}
     if len(commits) > 1:
         warnings.append("the results come from different commits (or dirty trees): compare with care.")
+    generators = {loadgen_workers_of(r) for r in results.values()}
+    if len(generators) > 1:
+        listed = ", ".join(f"{label}: {describe_load_generator(loadgen_workers_of(r))}" for label, r in sorted(results.items()))
+        warnings.append(f"the results come from different load generators ({listed}): a client-bound figure does not compare.")
     return warnings
 
 
+def load_ceilings(directory: Path) -> dict[str, BenchmarkResult]:
+    """The harness's ceilings in ``directory``, by label: ``ceiling`` (one Locust process) and
+    ``ceiling-workers<N>`` (distributed), fewest workers first."""
+    ceilings = []
+    for path in sorted(Path(directory).glob("ceiling*.json")):
+        try:
+            result = load_result(path)
+        except ValueError:
+            continue
+        if result.chapter == "ceiling" and result.levels:
+            ceilings.append(result)
+    return {r.label: r for r in sorted(ceilings, key=loadgen_workers_of)}
+
+
 def ceiling_line(directory: Path) -> str:
-    ceiling = load_ceiling(directory)
-    if ceiling is None or not ceiling.levels:
-        return ""
-    top = ceiling.saturation()
-    cpu = f", Locust at {top.loadgen_cpu_percent:.0f} % of its core" if top.loadgen_cpu_percent is not None else ""
-    if top.loadgen_cpu_wait_percent is not None and top.loadgen_cpu_wait_percent > SERVER_WAIT_WARNING_PERCENT:
-        cpu += f" (and waiting {top.loadgen_cpu_wait_percent:.0f} % for it: a busy machine lowers the ceiling)"
-    return (
-        f"Harness ceiling (Locust against an instant endpoint): {top.qps:,.0f} QPS at {top.users} users{cpu}; "
-        f"a chapter near it measures the load generator."
-    )
+    """The ceilings measured, each with how Locust ran; the one-process sentence is the one it always was."""
+    sentences = []
+    for ceiling in load_ceilings(directory).values():
+        top = ceiling.saturation()
+        workers = loadgen_workers_of(ceiling)
+        if workers == 0:
+            cpu = f", Locust at {top.loadgen_cpu_percent:.0f} % of its core" if top.loadgen_cpu_percent is not None else ""
+        else:
+            cores = loadgen_cores_of(ceiling)
+            cpu = "" if top.loadgen_cpu_percent is None else (
+                f", Locust's processes at {top.loadgen_cpu_percent:.0f} % of one core in all, on {cores} "
+                f"core{'s' if cores > 1 else ''}")
+        if top.loadgen_cpu_wait_percent is not None and top.loadgen_cpu_wait_percent > SERVER_WAIT_WARNING_PERCENT:
+            cpu += f" (and waiting {top.loadgen_cpu_wait_percent:.0f} % for it: a busy machine lowers the ceiling)"
+        how = "Locust" if workers == 0 else f"Locust distributed, a master and {workers} worker{'s' if workers > 1 else ''},"
+        sentences.append(
+            f"Harness ceiling ({how} against an instant endpoint): {top.qps:,.0f} QPS at {top.users} users{cpu}; "
+            f"a chapter near it measures the load generator."
+        )
+    return " ".join(sentences)
 
 
 def _latency_pair(p50: float | None, p99: float | None) -> str:
@@ -482,6 +529,12 @@ def render_open_loop(open_results: Mapping[str, OpenLoopResult]) -> list[str]:
             f"| {_fmt(best.goodput_rps if best else None, 1)} | {'—' if best is None else f'{best.offered_rps:g}/s'} "
             f"| {', '.join(f'{lvl.offered_rps:g}' for lvl in result.levels)} | {result.stopped or '—'} |"
         )
+    distributed = {label: loadgen_workers_of(r) for label, r in sorted(open_results.items()) if loadgen_workers_of(r)}
+    if distributed:  # one process, the default, goes unsaid
+        offered = "; ".join(f"{label}: {describe_load_generator(workers)}, each worker at 1/{workers} of the rate"
+                            for label, workers in distributed.items())
+        rest = "; every other run by one Locust process" if len(distributed) < len(open_results) else ""
+        lines += ["", f"Load generator: {offered}{rest}."]
     rates = common_rates(open_results)
     main = {label: r for label, r in sorted(open_results.items()) if r.label == r.chapter}
     if rates and len(main) >= 2:

@@ -57,6 +57,13 @@ class Environment(_Strict):
     loadgen_cores: list[int] | None
 
 
+class LoadGenerator(_Strict):
+    """How Locust ran. Absent from files written before it was recorded: those ran one Locust process."""
+
+    workers: int = Field(0, ge=0, description="0: one Locust process; N >= 1: Locust's distributed mode, a master "
+                                              "and N worker processes on loopback, their requests merged")
+
+
 class RunConfig(_Strict):
     profile: str
     workload: str
@@ -72,6 +79,7 @@ class RunConfig(_Strict):
     server_args: list[str]
     server_command: list[str]
     reproduce: str = Field(description="the harness command that reproduces this file")
+    load_generator: LoadGenerator | None = Field(None, description="how Locust ran; None: one process (older files)")
 
 
 class Latency(_Strict):
@@ -287,6 +295,7 @@ class OpenLoopConfig(_Strict):
     server_args: list[str]
     server_command: list[str]
     reproduce: str
+    load_generator: LoadGenerator | None = Field(None, description="how Locust ran; None: one process (older files)")
 
 
 class OpenLoopLevel(LevelMeasurements):
