@@ -47,6 +47,10 @@ from benchmarks.workload import PROMPT_ID_RANGE, PROMPT_LENGTHS
 
 KINDS = {"drill": "ch09-failure-drill", "autoscale": "ch09-autoscale-timeline"}
 SCHEMA = 1
+# A replica's start-up is how long capacity stays short after a loss or a scale-up. The chapter's
+# defaults measure the engine and the attention backend in every replica at start and compile flex
+# attention; these pin what those rules choose on a CPU, except that gather needs no compiling.
+FAST_START = "--torch-threads 1 --drain-timeout-s 10 --engine eager --precision bf16 --attention gather"
 OUTCOMES = ("ok", "replayed", "contract_error", "broken")
 REPLICA_PROCESS = "ServeReplica:"  # in the title Ray gives a replica's process
 
@@ -301,7 +305,9 @@ def run(scenario: str, args: argparse.Namespace, argv: list[str]) -> Timeline:
         kill_after_s = args.load_before_s
     else:
         replicas = ["--num-replicas", str(args.min_replicas), "--max-replicas", str(args.max_replicas),
-                    "--upscale-delay-s", f"{args.upscale_delay_s:g}", "--downscale-delay-s", f"{args.downscale_delay_s:g}"]
+                    "--target-ongoing-requests", str(args.target_ongoing_requests),
+                    "--upscale-delay-s", f"{args.upscale_delay_s:g}", "--downscale-delay-s", f"{args.downscale_delay_s:g}",
+                    "--autoscale-look-back-s", f"{args.look_back_s:g}"]
         steps, kill_after_s = args.steps, None
     server_args = [*replicas, "--replica-cpus", f"{args.replica_cpus:g}", *args.server_args.split()]
     settings = parse_settings(ScaleOutSettings, server_args, prog=f"scale_out_timeline {scenario} --server-args")
@@ -369,8 +375,12 @@ def main(argv: list[str] | None = None) -> int:
     autoscale.add_argument("--max-replicas", type=int, default=3)
     autoscale.add_argument("--steps", type=parse_steps, default=parse_steps("20:2,60:24,60:2"),
                            help="the load: seconds:clients, comma-separated, in order")
+    autoscale.add_argument("--target-ongoing-requests", type=int, default=8,
+                           help="requests held per replica that autoscaling aims at (the chapter's default, a full batch, "
+                                "is more than this machine's knee)")
     autoscale.add_argument("--upscale-delay-s", type=float, default=3.0, help="short, for the demo (Serve's default: 30)")
     autoscale.add_argument("--downscale-delay-s", type=float, default=10.0, help="short, for the demo (Serve's default: 600)")
+    autoscale.add_argument("--look-back-s", type=float, default=2.0, help="short, for the demo (Serve's default: 30)")
     for sub in (drill, autoscale):
         sub.add_argument("--out", type=Path, required=True, help="the JSON file to write")
         sub.add_argument("--replica-cpus", type=float, default=0.5)
@@ -378,8 +388,8 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_argument("--poll-interval-s", type=float, default=0.25)
         sub.add_argument("--request-timeout-s", type=float, default=60.0, help="a client gives up after this (an outcome: broken)")
         sub.add_argument("--seed", type=int, default=1234)
-        sub.add_argument("--server-args", default="--torch-threads 1 --drain-timeout-s 10",
-                         help="chapter 9's flags for every replica")
+        sub.add_argument("--server-args", default=FAST_START,
+                         help="chapter 9's flags for every replica (default: a fast start, see FAST_START)")
     args = parser.parse_args(argv)
     if args.scenario == "drill" and args.num_replicas < 2:
         parser.error("--num-replicas must be at least 2: with one, the drill shows an outage, not a failover")

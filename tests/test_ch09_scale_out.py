@@ -185,6 +185,7 @@ def test_autoscaling_runs_between_num_and_max_replicas_on_a_full_batch_per_repli
     assert (scaling.min_replicas, scaling.initial_replicas, scaling.max_replicas) == (1, 1, 3)
     assert scaling.target_ongoing_requests == 16  # a replica whose batch is full is busy
     assert (scaling.upscale_delay_s, scaling.downscale_delay_s) == (2, 5)
+    assert scaling.metrics_interval_s <= scaling.look_back_period_s  # every window holds samples
     assert "num_replicas" not in options  # Serve refuses both
     assert options["max_ongoing_requests"] > scaling.target_ongoing_requests  # room to queue above the target
     with pytest.raises(ValueError, match="max-replicas"):

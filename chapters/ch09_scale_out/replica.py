@@ -50,6 +50,7 @@ class ReplicaOptions(BaseSettings):
     target_ongoing_requests: int = Field(0, ge=0, description="autoscaling's target of requests held per replica; 0: chapter 8's --max-num-seqs (a full batch)")
     upscale_delay_s: float = Field(30.0, gt=0, description="autoscaling: how long load must stay above the target before a replica is added (Serve's default)")
     downscale_delay_s: float = Field(600.0, gt=0, description="autoscaling: how long load must stay below the target before a replica is removed (Serve's default)")
+    autoscale_look_back_s: float = Field(30.0, gt=0, description="autoscaling: the window over which requests held are averaged (Serve's look_back_period_s and default)")
     replica_cpus: float = Field(1.0, gt=0, description="CPUs Ray reserves for each replica (fractions share a core)")
     router: Literal["pow2", "least-tokens"] = Field("pow2", description="pow2: Serve's default (of two random replicas, fewer requests in flight) | least-tokens: fewest tokens owed (routing.py)")
     ray_address: str = Field("", description="join this Ray cluster (e.g. auto; as SFS_RAY_ADDRESS); empty: start one on this machine, loopback only")
@@ -74,6 +75,9 @@ def autoscaling_config(settings: ContinuousSettings, options: ReplicaOptions) ->
         "target_ongoing_requests": options.target_ongoing_requests or settings.max_num_seqs,
         "upscale_delay_s": options.upscale_delay_s,
         "downscale_delay_s": options.downscale_delay_s,
+        "look_back_period_s": options.autoscale_look_back_s,
+        # replicas report what they hold twice per window, so the average always has samples
+        "metrics_interval_s": min(10.0, options.autoscale_look_back_s / 2),
     }
 
 
