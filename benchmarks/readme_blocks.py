@@ -324,7 +324,159 @@ def chapter_pair_block(folder: Path, base: str, other: str, note: str) -> str:
             + note + " How they ran: " + "; ".join(settings) + ".")
 
 
+SCALE_OUT_DIR = "ch09"
+DRILL_FILES = {"failure-drill.json": "fast start (engine, precision and attention pinned; gather: nothing compiled)",
+               "failure-drill-chapter-defaults.json": "chapter 8's defaults (engine and attention measured at start, flex compiled)"}
+
+
+def drill_block(directory: Path) -> str:
+    """Chapter 9's failure drill (``benchmarks.scale_out_timeline drill``): the ledger and the replacement's start-up."""
+    import json
+
+    from benchmarks.scale_out_timeline import startup_split
+
+    folder = directory / SCALE_OUT_DIR
+    runs = [(name, how, json.loads((folder / name).read_text())) for name, how in DRILL_FILES.items() if (folder / name).exists()]
+    if not runs:
+        return f"*No drill yet: `python -m benchmarks.scale_out_timeline drill --out {_repo_path(folder)}/failure-drill.json`.*"
+
+    def s(value) -> str:
+        return "never" if value is None else f"{value:.1f}"
+
+    lines = ["| replicas start with | requests | answered at once | replayed, then answered | contract error | broken | in flight at the kill "
+             "| touched outside the kill | replacement's process (s) | its first log line (s) | its app ready (s) | 2 running again (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    commands = []
+    for _name, how, run in runs:
+        ledger = run["accounting"]
+        split = startup_split(run)
+        first = split[0] if split else {}
+        lines.append(f"| {how} | {ledger['requests']} | {ledger['ok']} | {ledger['replayed']} | {ledger['contract_error']} "
+                     f"| {ledger['broken']} | {ledger['in_flight_at_kill']} | {ledger['touched_outside_kill']} "
+                     f"| {s(first.get('process_started_s'))} | {s(first.get('first_log_s'))} | {s(first.get('app_ready_s'))} "
+                     f"| {s(ledger['capacity_back_s'])} |")
+        commands.append(f"`{run['command']}`")
+    run = runs[0][2]
+    return ("\n".join(lines) + f"\n\nTimes in seconds from the SIGKILL of one of {run['server_args'][1]} replicas, under "
+            f"{run['steps'][0][1]} closed-loop clients (every other request a stream of {run['max_new_tokens']} tokens); "
+            f"{run['cpu_count']} cores shared by the replicas, Serve, Ray and the clients. Reproduce: " + "; ".join(commands) + ".")
+
+
+def autoscale_block(directory: Path) -> str:
+    """Chapter 9's autoscaling under a step load (``benchmarks.scale_out_timeline autoscale``): per step."""
+    import json
+
+    from benchmarks.scale_out_timeline import replica_changes, startup_split, step_figures
+
+    path = directory / SCALE_OUT_DIR / "autoscale-timeline.json"
+    if not path.exists():
+        return f"*No autoscaling timeline yet: `python -m benchmarks.scale_out_timeline autoscale --out {_repo_path(path)}`.*"
+    run = json.loads(path.read_text())
+    lines = ["| seconds | clients | answers/s | P99 (ms) | most replicas running | at the step's end |", "|---|---|---|---|---|---|"]
+    for step in step_figures(run):
+        p99 = "—" if step["p99_ms"] is None else f"{step['p99_ms']:,.0f}"
+        lines.append(f"| {step['from_s']:.0f}-{step['to_s']:.0f} | {step['clients']} | {step['qps']:.1f} | {p99} "
+                     f"| {step['replicas_max']} | {step['replicas_at_end']} |")
+    changes = ", ".join(f"{count} at {t:.1f} s" for t, count in replica_changes(run["polls"]))
+    starts = ", ".join(f"a process at {x['process_started_s']:.1f} s, its app ready at "
+                       f"{'—' if x['app_ready_s'] is None else format(x['app_ready_s'], '.1f')} s" for x in startup_split(run))
+    ledger = run["accounting"]
+    return ("\n".join(lines) + f"\n\nReplicas running (Serve's count): {changes}. New replicas: {starts or 'none'}. "
+            f"{ledger['requests']} requests, {ledger['broken']} broken, {ledger['contract_error']} contract errors. "
+            f"Reproduce: `{run['command']}` (replica flags: `{' '.join(run['server_args'])}`).")
+
+
+def replicas_block(directory: Path) -> str:
+    """Chapter 8 alone, one replica, two under each router (``benchmarks.scale_out_compare``): medians of the rounds."""
+    import json
+
+    path = directory / SCALE_OUT_DIR / "replicas-and-routers.json"
+    if not path.exists():
+        return f"*No comparison yet: `python -m benchmarks.scale_out_compare --out {_repo_path(path)}`.*"
+    run = json.loads(path.read_text())
+    base = run["configs"].get("1 replica", {}).get("median", {})
+    lines = ["| configuration | QPS | against 1 replica | tokens/s | TTFT P50 / P99 (ms) | E2E P50 / P99 (ms) | client's cores busy |",
+             "|---|---|---|---|---|---|---|"]
+    for label, config in run["configs"].items():
+        m = config["median"]
+        ratio = f"{m['qps'] / base['qps']:.2f}×" if base.get("qps") else "—"
+        lines.append(f"| {label} | {m['qps']:.1f} | {ratio} | {m['output_tokens_per_s']:,.0f} | {m['ttft_ms_p50']:,.0f} / "
+                     f"{m['ttft_ms_p99']:,.0f} | {m['e2e_ms_p50']:,.0f} / {m['e2e_ms_p99']:,.0f} | {m['client_cores_busy']:.2f} |")
+    return ("\n".join(lines) + f"\n\nMedians of {run['rounds']} rounds (configurations alternating), `{run['workload']}` "
+            f"workload, {run['users']} closed-loop streaming users for {run['duration_s']:g} s each; every server with "
+            f"`{run['server_args']}`; server and client share this machine's cores, unpinned. Reproduce: `{run['command']}`.")
+
+
+def ceilings_block(directory: Path) -> str:
+    """The harness's ceiling with one Locust process and in distributed mode (``<dir>/ch09/ceiling/``), side by side."""
+    from benchmarks.report import load_ceilings, loadgen_cores_of, loadgen_workers_of
+
+    folder = directory / SCALE_OUT_DIR / "ceiling"
+    ceilings = load_ceilings(folder) if folder.exists() else {}
+    if not ceilings:
+        return (f"*No ceilings yet: `python -m benchmarks ceiling --profile cpu --workers N --out {_repo_path(folder)}` "
+                "for N = 0, 1, 2.*")
+    lines = ["| load generator | cores it had | best QPS | at users | its CPU (% of one core, all processes) |", "|---|---|---|---|---|"]
+    commands = []
+    for ceiling in sorted(ceilings.values(), key=loadgen_workers_of):
+        top, workers = ceiling.saturation(), loadgen_workers_of(ceiling)
+        how = "one Locust process" if workers == 0 else f"a master and {workers} worker{'s' if workers > 1 else ''}"
+        cpu = "—" if top.loadgen_cpu_percent is None else f"{top.loadgen_cpu_percent:.0f}"
+        lines.append(f"| {how} | {loadgen_cores_of(ceiling)} | {top.qps:,.0f} | {top.users} | {cpu} |")
+        commands.append(f"`{ceiling.reproduce}`")
+    return ("\n".join(lines) + "\n\nLocust against an instant endpoint (`benchmarks/trivial_server.py`) on loopback, the "
+            "`cpu` profile's core plan. Reproduce: " + "; ".join(commands) + ".")
+
+
+SIMULATION_REPLICAS = (1, 2, 8, 64)
+
+
+def simulation_block(directory: Path) -> str:
+    """Chapter 9's simulation (``chapters.ch09_scale_out.simulation run``): P99s and goodput by router and replicas
+    on ``mixed`` near and past the knee, what it assumes, and how one simulated replica compares with chapter 8."""
+    import json
+
+    path = directory / SCALE_OUT_DIR / "simulation.json"
+    if not path.exists():
+        return f"*No simulation yet: `python -m chapters.ch09_scale_out.simulation run --out {_repo_path(path)}`.*"
+    run = json.loads(path.read_text())
+    points = {(p["mix"], p["router"], p["replicas"], p["utilisation"]): p for p in run["points"]}
+    routers = run["settings"]["routers"]
+    lines = ["| load | replicas | " + " | ".join(f"{r}: P99 / TTFT P99 (ms), in SLO" for r in routers) + " |",
+             "|---|---|" + "---|" * len(routers)]
+    for utilisation in (0.85, 0.95):
+        for replicas in SIMULATION_REPLICAS:
+            cells = []
+            for router in routers:
+                point = points.get(("mixed", router, replicas, utilisation))
+                cells.append("—" if point is None else f"{point['latency_ms']['p99']:,.0f} / {point['ttft_ms']['p99']:,.0f}, "
+                                                        f"{point['goodput_share']:.0%}")
+            lines.append(f"| {utilisation:.0%} | {replicas} | " + " | ".join(cells) + " |")
+    capacity = run["mixes"]["mixed"]["capacity_rps_per_replica"]
+    slo = run["settings"]["slo"]
+    levels = run["validation"]["one_replica_vs_open_loop"]["levels"]
+    check = "; ".join(f"{lvl['offered_rps']:g}/s: {lvl['simulated']['p50_ms']:,.0f} simulated, {lvl['measured']['p50_ms']:,.0f} measured"
+                      for lvl in levels if lvl.get("measured") and lvl.get("simulated"))
+    assumptions = "\n".join(f"- {a}" for a in run["assumptions"])
+    return ("\n".join(lines) + f"\n\nThe `mixed` workload; load is a share of what the replicas serve with full batches "
+            f"({capacity:.1f} requests/s per simulated replica); P99 is of the whole answer, TTFT of the first token; "
+            f"\"in SLO\" is the share of requests with TTFT within {slo['ttft_ms']:,.0f} ms and time per later token within "
+            f"{slo['tpot_ms']:,.0f} ms. The file holds every point (1 to 64 replicas, 50 to 95 % load, three mixes). "
+            f"Reproduce: `{run['command']}`.\n\nOne simulated replica against chapter 8's measured open loop "
+            f"(`default` workload, median ms): {check}.\n\nWhat the simulation assumes (from the file):\n\n{assumptions}")
+
+
 def render_key(key: str, results: Mapping[str, BenchmarkResult], directory: Path, readme: Path, profile: str) -> str:
+    if key == "ch09-simulation":
+        return simulation_block(directory)
+    if key == "ch09-ceiling":
+        return ceilings_block(directory)
+    if key == "ch09-drill":
+        return drill_block(directory)
+    if key == "ch09-autoscale":
+        return autoscale_block(directory)
+    if key == "ch09-replicas":
+        return replicas_block(directory)
     if key == "side-by-side":
         return side_by_side_block(directory)
     if key == "deploy":

@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     commit, dirty = git_state()
     document: dict[str, Any] = {
         "kind": KIND, "schema": SCHEMA, "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        "command": " ".join(["python -m benchmarks.scale_out_compare", *argv]), "git_commit": commit, "git_dirty": dirty,
+        "command": "python -m benchmarks.scale_out_compare " + shlex.join(argv), "git_commit": commit, "git_dirty": dirty,
         "workload": args.workload, "users": args.users, "duration_s": args.duration_s, "rounds": args.rounds,
         "server_args": args.server_args, "python": platform.python_version(), "platform": platform.platform(),
         "configs": {label: {"module": CONFIGS[label][0], "flags": CONFIGS[label][1], "runs": []} for label in args.configs},

@@ -434,11 +434,97 @@ def synthetic_streaming_comparison(workload: str = "mixed", users: int = 8, dura
     return compare_document(workload, users, duration_s, chapters, "synthetic")
 
 
+def synthetic_scale_out_timeline(scenario: str, replicas: int = 2, clients: int = 6, back_s: float = 6.0) -> dict:
+    """A chapter 9 timeline (``benchmarks.scale_out_timeline``): ``drill`` kills a replica at 0 s and has
+    ``replicas`` running again at ``back_s``; ``autoscale`` steps the clients up and down, one replica added."""
+    from dataclasses import asdict
+
+    from benchmarks.scale_out_timeline import KINDS, SCHEMA, Poll, RequestSpan, Timeline, account, summarize_load
+
+    drill = scenario == "drill"
+    steps = [(20.0, clients)] if drill else [(10.0, 1), (20.0, clients), (15.0, 1)]
+    start_s = -5.0 if drill else 0.0
+    end_s = start_s + sum(seconds for seconds, _ in steps)
+    spans, polls = [], []
+    for client in range(clients):
+        t, stream = start_s, client % 2 == 0
+        while t < end_s:
+            if not drill and not any(client < n for _, n in steps):
+                break
+            end = t + 0.8 + 0.1 * client
+            outcome, detail = "ok", ""
+            if drill and t <= 0 <= end and client < 2:
+                outcome, detail = ("contract_error", "replica_failed") if stream else ("replayed", "")
+            spans.append(RequestSpan(round(t, 3), round(end, 3), stream, 200 if outcome != "contract_error" or stream else 500,
+                                     outcome, detail))
+            t, stream = end, not stream
+    t = start_s
+    while t < end_s:
+        if drill:
+            running = replicas if t < 0.5 or t >= back_s else replicas - 1
+            pids = [100, 101] if t < 0 else ([101] if t < 1.0 else [101, 102])
+        else:
+            running = 2 if 14.0 <= t < 36.0 else 1
+            pids = [100] if t < 11.0 or t >= 37.0 else [100, 102]
+        polls.append(Poll(round(t, 3), running, pids))
+        t += 0.25
+    timeline = Timeline(
+        kind=KINDS[scenario], schema=SCHEMA, started_at="2026-01-01T00:00:00+00:00", command="synthetic",
+        server_args=["--num-replicas", str(replicas if drill else 1), "--replica-cpus", "0.5"], steps=steps,
+        max_new_tokens=64, poll_interval_s=0.25, python="3", platform="synthetic", cpu_count=2,
+        killed_pid=100 if drill else None, killed_at_s=5.0 if drill else None,
+        replica_startups={"102": {"process_started_s": 0.4 if drill else 11.0,
+                                  "log": [{"t_s": back_s - 1.0 if drill else 13.0, "message": "engine eager/bf16 on cpu: ready in 0.1 s"},
+                                          {"t_s": back_s - 0.5 if drill else 13.5, "message": "model version v1 (synthetic) serving"}]}},
+        requests=spans, polls=polls)
+    timeline.accounting = account(spans, polls, replicas) if drill else summarize_load(spans)
+    return asdict(timeline)
+
+
+def synthetic_replicas_and_routers() -> dict:
+    """``benchmarks.scale_out_compare``'s document with every configuration and plausible medians."""
+    from benchmarks.scale_out_compare import CONFIGS, KIND, SCHEMA
+
+    configs = {}
+    for index, (label, (module, flags)) in enumerate(CONFIGS.items()):
+        median = {"qps": 6.0 + index, "output_tokens_per_s": 400.0 + 30 * index, "ttft_ms_p50": 150.0, "ttft_ms_p99": 900.0,
+                  "e2e_ms_p50": 3000.0 - 100 * index, "e2e_ms_p99": 9000.0 - 300 * index, "client_cores_busy": 0.2}
+        configs[label] = {"module": module, "flags": flags, "runs": [], "median": median}
+    return {"kind": KIND, "schema": SCHEMA, "started_at": "2026-01-01T00:00:00+00:00", "command": "synthetic",
+            "git_commit": None, "git_dirty": False, "workload": "mixed", "users": 32, "duration_s": 20.0, "rounds": 2,
+            "server_args": "--torch-threads 1", "python": "3", "platform": "synthetic", "configs": configs}
+
+
+def synthetic_simulation() -> dict:
+    """A small ``chapters.ch09_scale_out.simulation run`` document: the ``mixed`` points the notebook plots."""
+    routers, replicas = ["random", "pow2", "least-tokens"], [1, 2, 4]
+    points = []
+    for utilisation in (0.5, 0.85, 0.95):
+        for router in routers:
+            for n in replicas:
+                spread = 1.0 if router == "random" else 1.0 / n
+                points.append({"mix": "mixed", "router": router, "replicas": n, "utilisation": utilisation,
+                               "offered_rps": 10.0 * n * utilisation, "throughput_rps": 10.0 * n * utilisation,
+                               "latency_ms": {"p50": 800.0, "p90": 2000.0, "p99": 3000.0 + 4000.0 * utilisation * spread},
+                               "ttft_ms": {"p50": 30.0, "p99": 60.0 + 1000.0 * max(0.0, utilisation - 0.9) * 20 * spread},
+                               "goodput_rps": 10.0 * n * utilisation * (0.97 if router == "random" else 1.0)})
+    return {"what": "synthetic", "command": "synthetic", "seed": 0, "assumptions": ["synthetic"],
+            "settings": {"routers": routers, "replicas": replicas, "utilisations": [0.5, 0.85, 0.95],
+                         "slo": {"ttft_ms": 1000.0, "tpot_ms": 100.0}},
+            "mixes": {"mixed": {"capacity_rps_per_replica": 10.0}}, "points": points,
+            "validation": {"one_replica_vs_open_loop": {"levels": []}}}
+
+
 def write_synthetic_production_and_streaming(directory: Path) -> list[Path]:
-    """The files chapters 7 and 8's notebooks read, in ``directory/ch07/`` and ``directory/streaming/``."""
+    """The files chapters 7, 8 and 9's notebooks read, in ``directory/ch07/``, ``directory/streaming/`` and ``directory/ch09/``."""
     import json
 
     documents = {Path("ch07") / "drain-timeline.json": synthetic_drain_timeline()}
+    documents[Path("ch09") / "failure-drill.json"] = synthetic_scale_out_timeline("drill")
+    documents[Path("ch09") / "failure-drill-chapter-defaults.json"] = synthetic_scale_out_timeline("drill", back_s=14.0)
+    documents[Path("ch09") / "autoscale-timeline.json"] = synthetic_scale_out_timeline("autoscale")
+    documents[Path("ch09") / "replicas-and-routers.json"] = synthetic_replicas_and_routers()
+    documents[Path("ch09") / "simulation.json"] = synthetic_simulation()
     documents.update({Path("ch07") / f"leak-{lesson}.json": synthetic_leak_report(lesson) for lesson in ("leaky", "fixed")})
     documents.update({Path("streaming") / f"{w}.json": synthetic_streaming_comparison(w) for w in ("mixed", "default")})
     paths = []

@@ -269,6 +269,47 @@ NOTEBOOKS = {
         "the forward pass is the overhead a Python server pays per step, the same at 8 users as at 64.",
         parameters=OWN_FILES_PARAMETERS, intro_tail=OWN_FILES_TAIL,
     ),
+    "ch09_scale_out": notebook(
+        "Chapter 9: chapter 8's server past one process, on Ray Serve",
+        "Replicas of chapter 8's server behind Serve's proxy, with the project's contract kept at the edge "
+        "(one replay of a request whose replica died before answering, the contract's error otherwise). Here: "
+        "what a client sees when a replica is killed under load, how autoscaling follows a step of load, one "
+        "replica against two under each router, and a simulation of 1 to 64 replicas.",
+        [
+            ("## The failure drill\n\n`python -m benchmarks.scale_out_timeline drill`: two replicas, eight "
+             "closed-loop clients (every other request a stream), one replica's process SIGKILLed at 0 s. Top: "
+             "Serve's count of running replicas and the replica processes alive; middle: answers per second and "
+             "the P99 of each second's answers; bottom: every request, coloured by what its client got.",
+             'show(lambda: plots.plot_failure_drill(plots.load_scale_out(RESULTS_DIR, "failure-drill.json")))'),
+            ("## The same drill with chapter 8's defaults\n\nEvery replica measures its engine and attention "
+             "backends at start and compiles flex attention: the replacement takes longer to serve.",
+             'show(lambda: plots.plot_failure_drill(plots.load_scale_out(RESULTS_DIR, "failure-drill-chapter-defaults.json")))'),
+            ("## Autoscaling under a step load\n\n`python -m benchmarks.scale_out_timeline autoscale`: "
+             "Serve's autoscaler on requests held per replica, with short delays, while the clients step up and down.",
+             'show(lambda: plots.plot_autoscale_timeline(plots.load_scale_out(RESULTS_DIR, "autoscale-timeline.json")))'),
+            ("## One replica against two, and the routers\n\n`python -m benchmarks.scale_out_compare`: chapter 8 "
+             "alone, one replica behind Serve's proxy, two replicas under Serve's `pow2` and under `least-tokens`, "
+             "on the `mixed` workload; medians of the rounds.",
+             'show(lambda: plots.plot_replicas_and_routers(plots.load_scale_out(RESULTS_DIR, "replicas-and-routers.json")))'),
+            ("## 1 to 64 replicas, simulated\n\n`python -m chapters.ch09_scale_out.simulation run`: chapter 8's scheduler "
+             "with step times measured from its engine, as replicas behind each router, under Poisson arrivals at 85 % "
+             "and 95 % of what the replicas can serve (the `mixed` workload). What it assumes is listed in the file and "
+             "in the chapter's README.",
+             'show(lambda: plots.plot_simulated_scaling(plots.load_scale_out(RESULTS_DIR, "simulation.json")))'),
+        ],
+        "- In the drill, only requests in flight at the kill are touched: whole answers come back replayed "
+        "(blue), streams end with the contract's error (orange); nothing is red.\n"
+        "- Capacity comes back when the replacement is running: the gap between the kill and that line is "
+        "start-up, and the two drills differ by what a replica does at start.\n"
+        "- In the autoscaling timeline, the decision follows the step within seconds; the replica it adds "
+        "serves only once started, while the step's P99 has already risen.\n"
+        "- On two cores, a second replica shares the cores with the first, the proxy and the clients: "
+        "compare the routers with each other, and Serve's proxy with chapter 8 alone.\n"
+        "- In the simulation, past the knee (95 %) more replicas help only with a router that looks at load: "
+        "`random` keeps each replica a queue of its own, while `pow2` and the token counters bring the first "
+        "token's P99 down as replicas are added.",
+        parameters=OWN_FILES_PARAMETERS, intro_tail=OWN_FILES_TAIL,
+    ),
     "climb": notebook(
         "The climb: what each chapter bought",
         "Every chapter under the same load, beside the article's figures (its GPU, its model: compare the "

@@ -128,6 +128,7 @@ class ContractAtTheEdge:
         body = _ReplayableBody(receive)
         await body.read()
         scope = with_token_budget(scope, body.body)
+        # EXERCISE ch09.2 BEGIN "the edge: replay a request whose replica died before a byte, else end it with the contract's error"
         attempt = await self._attempt(scope, body.replay(), send, number=1)
         if not attempt.started and body.replayable:
             log.warning("%s %s: the replica ended the request before answering; sending it again", scope["method"], scope["path"])
@@ -139,6 +140,7 @@ class ContractAtTheEdge:
         elif attempt.event_stream:
             await send({"type": "http.response.body", "body": _stream_error(scope["path"]), "more_body": False})
         # else: a JSON body cut half-way; ending it would pass off a truncated body as whole
+        # EXERCISE ch09.2 END
 
     async def _attempt(self, scope, receive, send, number: int) -> _Attempt:
         attempt = _Attempt()

@@ -39,6 +39,7 @@ def token_budget(body: bytes) -> int | None:
     such a request is routed as the cheapest, and the replica answers it (with the contract's error
     if it is invalid).
     """
+    # EXERCISE ch09.3 BEGIN "the token budget: a request's prompt plus what it may generate, from its body"
     try:
         request = json.loads(body)
     except ValueError:
@@ -58,6 +59,7 @@ def token_budget(body: bytes) -> int | None:
     if not isinstance(new_tokens, int) or isinstance(new_tokens, bool) or new_tokens < 0:
         return None
     return prompt_tokens + new_tokens
+    # EXERCISE ch09.3 END
 
 
 def budget_of(pending_request: PendingRequest | None) -> int:
@@ -88,13 +90,19 @@ class TokenLedger:
         self.requests: dict[str, tuple[Any, int]] = {}  # request id -> (replica id, budget)
 
     def routed(self, request_id: str, replica_id: Any, budget: int) -> None:
+        """``request_id`` went to ``replica_id``, which now owes its ``budget`` more tokens."""
+        # EXERCISE ch09.1 BEGIN "the router's ledger: tokens owed per replica, the replica owing the fewest first"
         self.requests[request_id] = (replica_id, budget)
         self.owed[replica_id] = self.owed.get(replica_id, 0) + budget
+        # EXERCISE ch09.1 END
 
     def completed(self, request_id: str) -> None:
+        """``request_id`` is over (answered or failed): its replica no longer owes its budget. Unknown ids are ignored."""
+        # EXERCISE ch09.1 BEGIN "the router's ledger: tokens owed per replica, the replica owing the fewest first"
         replica_id, budget = self.requests.pop(request_id, (None, 0))
         if replica_id is not None:
             self.owed[replica_id] -= budget
+        # EXERCISE ch09.1 END
 
     def forget(self, replica_id: Any) -> None:
         """A replica that died owes nothing; its requests are the edge's to replay or fail."""
@@ -103,7 +111,9 @@ class TokenLedger:
 
     def rank(self, replica_ids: list[Any]) -> list[Any]:
         """Replica ids, the one owing the fewest tokens first (ties keep the given order)."""
+        # EXERCISE ch09.1 BEGIN "the router's ledger: tokens owed per replica, the replica owing the fewest first"
         return sorted(replica_ids, key=lambda r: self.owed.get(r, 0))
+        # EXERCISE ch09.1 END
 
 
 class LeastOutstandingTokensRouter(FIFOMixin, RequestRouter):
