@@ -395,13 +395,15 @@ def replicas_block(directory: Path) -> str:
         return f"*No comparison yet: `python -m benchmarks.scale_out_compare --out {_repo_path(path)}`.*"
     run = json.loads(path.read_text())
     base = run["configs"].get("1 replica", {}).get("median", {})
-    lines = ["| configuration | QPS | against 1 replica | tokens/s | TTFT P50 / P99 (ms) | E2E P50 / P99 (ms) | client's cores busy |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| configuration | QPS | against 1 replica | tokens/s | TTFT P50 / P99 (ms) | E2E P50 / P99 (ms) "
+             "| cores busy: the client; the server's processes |", "|---|---|---|---|---|---|---|"]
     for label, config in run["configs"].items():
         m = config["median"]
         ratio = f"{m['qps'] / base['qps']:.2f}×" if base.get("qps") else "—"
+        server = "; ".join(f"{group} {cores:.2f}" for group, cores in sorted(m.get("server_cores_busy", {}).items(), key=lambda kv: -kv[1]))
         lines.append(f"| {label} | {m['qps']:.1f} | {ratio} | {m['output_tokens_per_s']:,.0f} | {m['ttft_ms_p50']:,.0f} / "
-                     f"{m['ttft_ms_p99']:,.0f} | {m['e2e_ms_p50']:,.0f} / {m['e2e_ms_p99']:,.0f} | {m['client_cores_busy']:.2f} |")
+                     f"{m['ttft_ms_p99']:,.0f} | {m['e2e_ms_p50']:,.0f} / {m['e2e_ms_p99']:,.0f} "
+                     f"| client {m['client_cores_busy']:.2f}; {server or '—'} |")
     return ("\n".join(lines) + f"\n\nMedians of {run['rounds']} rounds (configurations alternating), `{run['workload']}` "
             f"workload, {run['users']} closed-loop streaming users for {run['duration_s']:g} s each; every server with "
             f"`{run['server_args']}`; server and client share this machine's cores, unpinned. Reproduce: `{run['command']}`.")
@@ -423,7 +425,7 @@ def ceilings_block(directory: Path) -> str:
         how = "one Locust process" if workers == 0 else f"a master and {workers} worker{'s' if workers > 1 else ''}"
         cpu = "—" if top.loadgen_cpu_percent is None else f"{top.loadgen_cpu_percent:.0f}"
         lines.append(f"| {how} | {loadgen_cores_of(ceiling)} | {top.qps:,.0f} | {top.users} | {cpu} |")
-        commands.append(f"`{ceiling.reproduce}`")
+        commands.append(f"`{ceiling.config.reproduce} --out {_repo_path(folder)}`")
     return ("\n".join(lines) + "\n\nLocust against an instant endpoint (`benchmarks/trivial_server.py`) on loopback, the "
             "`cpu` profile's core plan. Reproduce: " + "; ".join(commands) + ".")
 

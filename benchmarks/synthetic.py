@@ -486,7 +486,7 @@ def synthetic_replicas_and_routers() -> dict:
     from benchmarks.scale_out_compare import CONFIGS, KIND, SCHEMA
 
     configs = {}
-    for index, (label, (module, flags)) in enumerate(CONFIGS.items()):
+    for index, (label, (module, flags, _env)) in enumerate(CONFIGS.items()):
         median = {"qps": 6.0 + index, "output_tokens_per_s": 400.0 + 30 * index, "ttft_ms_p50": 150.0, "ttft_ms_p99": 900.0,
                   "e2e_ms_p50": 3000.0 - 100 * index, "e2e_ms_p99": 9000.0 - 300 * index, "client_cores_busy": 0.2}
         configs[label] = {"module": module, "flags": flags, "runs": [], "median": median}

@@ -13,6 +13,7 @@ listens beyond 127.0.0.1, and once it stops no process of it is left.
 from __future__ import annotations
 
 import json
+import os
 import signal
 from pathlib import Path
 
@@ -276,6 +277,13 @@ def test_the_rayservice_manifest_deploys_the_same_application_with_chapter_7s_pr
         assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": port}
         drain_s = max(float(a.args.get("drain_timeout_s", 30)) for a in served.applications)
         assert pod["terminationGracePeriodSeconds"] > drain_s  # the pod outlives its replicas' drain
+    # every Ray process of the cluster gets what this package sets before Ray starts on a laptop: the edge, gRPC
+    containers = [cluster["headGroupSpec"]["template"]["spec"]["containers"][0],
+                  *(group["template"]["spec"]["containers"][0] for group in cluster["workerGroupSpecs"])]
+    for container in containers:
+        env = {item["name"]: item["value"] for item in container.get("env", [])}
+        for name in ("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "RAY_SERVE_PROXY_USE_GRPC"):
+            assert env.get(name) == os.environ[name], (container["name"], name)
 
 
 def test_joining_a_cluster_by_flag_alone_is_refused_with_what_to_do(monkeypatch, capsys) -> None:

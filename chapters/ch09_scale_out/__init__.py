@@ -11,6 +11,11 @@ Serve's proxy keeps the project's error contract through :mod:`~chapters.ch09_sc
 middleware Serve loads in the proxy's process from ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``:
 set here too, so the proxy of a cluster this process starts inherits it (a cluster started
 elsewhere sets it itself: ``deploy/``).
+
+``RAY_SERVE_PROXY_USE_GRPC=1``: the proxy sends requests to replicas, and receives their answers,
+over gRPC instead of Ray actor calls (Serve's performance guide, "interdeployment gRPC"). A stream
+is one message per token, and on the actor-call path each is a Ray object handed from the replica
+to the proxy; measured in the chapter's README.
 """
 
 import os
@@ -19,3 +24,4 @@ if not os.environ.get("SFS_RAY_ADDRESS"):
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 PROXY_MIDDLEWARES = "chapters.ch09_scale_out.edge:proxy_middlewares"
 os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", PROXY_MIDDLEWARES)
+os.environ.setdefault("RAY_SERVE_PROXY_USE_GRPC", "1")
