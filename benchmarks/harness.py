@@ -48,6 +48,7 @@ from benchmarks.server_process import pin_to_cores, running_server
 from benchmarks.server_stats import detect_source
 from benchmarks.workload import (
     DEFAULT_SEED,
+    PROMPT_ID_RANGE,
     PromptStream,
     Workload,
     check_response,
@@ -150,7 +151,8 @@ def warm_up(url: str, workload: Workload, count: int, vocab_size: int, timeout_s
             raise RuntimeError(f"warm-up request failed: {reason}: {response.text[:300]}")
 
     for length in workload.prompt_lengths[:count]:  # every prompt shape once, one at a time
-        one({"input_ids": list(range(length)), "max_new_tokens": workload.max_new_tokens})
+        # ids wrap at PROMPT_ID_RANGE: a prompt longer than the byte range must stay inside every vocabulary
+        one({"input_ids": [i % PROMPT_ID_RANGE for i in range(length)], "max_new_tokens": workload.max_new_tokens})
     rest = [prompts.next_body() for _ in range(max(0, count - len(workload.prompt_lengths)))]
     if rest:
         with ThreadPoolExecutor(max_workers=min(WARMUP_CONCURRENCY, len(rest))) as pool:

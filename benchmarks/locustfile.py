@@ -11,7 +11,7 @@ environment variables, or by hand for exploring:
     locust -f benchmarks/locustfile.py --host http://127.0.0.1:8000 --headless -u 8 -r 8 -t 20s
 
 Environment (all optional):
-    SFS_BENCH_WORKLOAD         default | long (see benchmarks/workload.py)
+    SFS_BENCH_WORKLOAD         default | long | shared-prefix (see benchmarks/workload.py)
     SFS_BENCH_SEED             seeds every user's prompt sequence (user i: seed, i)
     SFS_BENCH_VOCAB_SIZE       output ids must lie in [0, this)
     SFS_BENCH_TIMEOUT_S        a request with no answer by then fails (status 0)

@@ -1007,6 +1007,47 @@ def plot_streaming_latencies(comparisons: Mapping[str, Mapping]):
     return axes[0][0].figure
 
 
+def load_prefix_caching(directory: Path) -> dict[str, dict]:
+    """Chapter 8's prefix-caching comparisons (``directory/ch08/prefix-caching/<workload>.json``), keyed by
+    workload, ``shared-prefix`` first."""
+    from benchmarks.streaming import PREFIX_CACHING_DIR, PREFIX_CACHING_WORKLOADS, prefix_caching_command
+
+    folder = Path(directory) / PREFIX_CACHING_DIR
+    found = {w: json.loads((folder / f"{w}.json").read_text()) for w in PREFIX_CACHING_WORKLOADS if (folder / f"{w}.json").exists()}
+    if not found:
+        commands = "; ".join(f"`{prefix_caching_command(w, _relative(Path(directory)))}`" for w in PREFIX_CACHING_WORKLOADS)
+        raise MissingData(f"No prefix-caching comparison in {folder}. Run: {commands}.")
+    return found
+
+
+def plot_prefix_caching(comparisons: Mapping[str, Mapping]):
+    """Chapter 8 with prefix caching on and off, per workload: TTFT (P50 and P99) and completed requests/s,
+    at the same number of streaming users."""
+    from benchmarks.streaming import PREFIX_CACHING_VARIANTS
+
+    ttft_ax, qps_ax = Figure(figsize=(12, 4.4)).subplots(1, 2)
+    workloads = list(comparisons)
+    x = np.arange(len(workloads))
+    for i, label in enumerate(PREFIX_CACHING_VARIANTS):
+        figures = [comparisons[w]["chapters"].get(label) or {} for w in workloads]
+        offset = (i - 0.5) * 0.4
+        for quantile, alpha in (("p99", 0.4), ("p50", 1.0)):  # P50 drawn over P99 in the same bar
+            values = [(f.get("ttft_ms") or {}).get(quantile) or 0 for f in figures]
+            ttft_ax.bar(x + offset, values, 0.4, color=f"C{i}", alpha=alpha,
+                        label=f"{label}, {quantile.upper()}")
+        qps_ax.bar(x + offset, [f.get("qps") or 0 for f in figures], 0.4, color=f"C{i}", label=label)
+    labels = [f"{w}\n({comparisons[w].get('users', '?')} users)" for w in workloads]
+    for ax, ylabel, title in ((ttft_ax, "ms", "Time to first token, prefix caching on and off"),
+                              (qps_ax, "completed requests/s", "QPS, prefix caching on and off")):
+        ax.set_xticks(x, labels)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    ttft_ax.figure.tight_layout()
+    return ttft_ax.figure
+
+
 def plot_streaming_throughput(comparisons: Mapping[str, Mapping]):
     """Completed requests/s and generated tokens/s per chapter and workload, at equal load (same users)."""
     qps_ax, tokens_ax = Figure(figsize=(12, 4.4)).subplots(1, 2)

@@ -15,6 +15,7 @@ against its own chapter). A key may name its profile, ``climb@gpu``; otherwise t
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -200,8 +201,6 @@ def machines_block(this: Mapping[str, BenchmarkResult], previous: Mapping[str, B
 
 def streaming_block(directory: Path) -> str:
     """Chapter 6 against chapter 8 from ``benchmarks.streaming compare`` files (``<dir>/streaming/<workload>.json``)."""
-    import json
-
     def ms(figures: dict | None, key: str) -> str:
         value = (figures or {}).get(key)
         return "—" if value is None else f"{value:,.0f}"
@@ -230,10 +229,80 @@ def streaming_block(directory: Path) -> str:
         "and reads the streams. A non-streamed answer's first token arrives with its last, so chapter 6's TTFT is its total time.")
 
 
+def prefix_caching_block(directory: Path) -> str:
+    """Chapter 8 with prefix caching on and off (``benchmarks.streaming compare`` with the two variants of
+    :data:`benchmarks.streaming.PREFIX_CACHING_VARIANTS`, ``<dir>/ch08/prefix-caching/<workload>.json``): a table
+    per workload, ``shared-prefix`` first, each variant's figures and on's over off's."""
+    from benchmarks.streaming import (
+        PREFIX_CACHING_DIR,
+        PREFIX_CACHING_VARIANTS,
+        PREFIX_CACHING_WORKLOADS,
+        describe_harness,
+        prefix_caching_command,
+    )
+
+    folder = directory / PREFIX_CACHING_DIR
+    found = {path.stem: path for path in sorted(folder.glob("*.json"))} if folder.exists() else {}
+    results_dir = _repo_path(directory)
+    if not found:
+        return (f"*No prefix-caching comparison yet: `{prefix_caching_command('shared-prefix', results_dir)}` records one "
+                "(then the same with `--workload default` and `--workload mixed`, each to its own file).*")
+    on, off = PREFIX_CACHING_VARIANTS
+
+    def figure(figures: dict | None, *path: str) -> float | None:
+        value: object = figures
+        for key in path:
+            value = value.get(key) if isinstance(value, dict) else None
+        return value if isinstance(value, (int, float)) else None
+
+    def ms(value: float | None) -> str:
+        return "—" if value is None else f"{value:,.0f}"
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return "—" if a is None or not b else f"{a / b:.2f}×"
+
+    order = [w for w in PREFIX_CACHING_WORKLOADS if w in found] + sorted(set(found) - set(PREFIX_CACHING_WORKLOADS))
+    parts, commands, settings = [], [], set()
+    for workload in order:
+        run = json.loads(found[workload].read_text())
+        commands.append(f"`{run['command']}`")
+        settings.add(describe_harness(run.get("harness")))
+        rounds = run.get("rounds", 1)
+        how = f"median-QPS round of {rounds}" if rounds > 1 else "one round"
+        lines = [f"**`{run['workload']}`**, {run['users']} streaming users for {run['duration_s']:g} s, {how}:", "",
+                 "| prefix caching | QPS | TTFT P50 / P99 (ms) | TPOT P50 (ms) | errors | prompt tokens found cached |",
+                 "|---|---|---|---|---|---|"]
+        side = {label: run["chapters"].get(label) for label in (on, off)}
+        for label, figures in side.items():
+            if figures is None:
+                lines.append(f"| {label.removeprefix('caching-')} | not measured | | | | |")
+                continue
+            hit_rate = figure(figures, "prefix_cache", "hit_rate")
+            lines.append(f"| {label.removeprefix('caching-')} | {figures['qps']:.1f} | {ms(figure(figures, 'ttft_ms', 'p50'))} / "
+                         f"{ms(figure(figures, 'ttft_ms', 'p99'))} | {ms(figure(figures, 'tpot_ms', 'p50'))} "
+                         f"| {sum(figures['errors'].values())} | {'—' if hit_rate is None else f'{hit_rate:.0%}'} |")
+        lines.append(f"| on / off | {ratio(figure(side[on], 'qps'), figure(side[off], 'qps'))} "
+                     f"| {ratio(figure(side[on], 'ttft_ms', 'p50'), figure(side[off], 'ttft_ms', 'p50'))} / "
+                     f"{ratio(figure(side[on], 'ttft_ms', 'p99'), figure(side[off], 'ttft_ms', 'p99'))} "
+                     f"| {ratio(figure(side[on], 'tpot_ms', 'p50'), figure(side[off], 'tpot_ms', 'p50'))} | | |")
+        parts.append("\n".join(lines))
+    missing = [w for w in PREFIX_CACHING_WORKLOADS if w not in found]
+    shared = WORKLOADS["shared-prefix"]
+    mix = shared.shared_prefixes
+    suffixes = ", ".join(map(str, mix.suffix_lengths[:-1])) + f" or {mix.suffix_lengths[-1]}"
+    notes = (f"`shared-prefix`: {mix.count} prefixes of {mix.length} ids, every request one of them followed by a suffix of "
+             f"its own ({suffixes} ids), {shared.max_new_tokens} new tokens; `default` and `mixed` share nothing, so caching can only cost there. "
+             f"Chapter 8 with `{PREFIX_CACHING_VARIANTS[on]}` and with `{PREFIX_CACHING_VARIANTS[off]}`, alternating, the same "
+             "users and prompts for both. Prompt tokens found cached: the server's `/stats` at the end of the kept round "
+             "(`scheduler.prefix_cache.hit_rate`, over its whole run, warm-up included). How the servers ran: " + "; ".join(sorted(settings)) + ". Reproduce: "
+             + "; ".join(commands) + ".")
+    if missing:
+        notes += " Not measured yet: " + "; ".join(f"`{prefix_caching_command(w, results_dir)}`" for w in missing) + "."
+    return "\n\n".join([*parts, notes])
+
+
 def kv_share_block(directory: Path) -> str:
     """Chapter 4's pool under load, before and after one ledger, from ``benchmarks.kv_share`` files (``<dir>/ch04/``)."""
-    import json
-
     files = sorted((directory / "ch04").glob("kv-share-*.json")) if (directory / "ch04").exists() else []
     if not files:
         return f"*No measurement yet: `python -m benchmarks.kv_share --url ... --out {_repo_path(directory)}/ch04/kv-share-LABEL.json`.*"
@@ -293,7 +362,6 @@ def deploy_block(directory: Path) -> str:
 def chapter_pair_block(folder: Path, base: str, other: str, note: str) -> str:
     """Two chapters measured in the same rounds of ``benchmarks.streaming compare`` (one JSON file per round in
     ``folder``): per workload and load, the median of the rounds per chapter and ``other``'s over ``base``'s."""
-    import json
     import statistics
 
     files = sorted(folder.glob("*.json")) if folder.exists() else []
@@ -331,8 +399,6 @@ DRILL_FILES = {"failure-drill.json": "fast start (engine, precision and attentio
 
 def drill_block(directory: Path) -> str:
     """Chapter 9's failure drill (``benchmarks.scale_out_timeline drill``): the ledger and the replacement's start-up."""
-    import json
-
     from benchmarks.scale_out_timeline import startup_split
 
     folder = directory / SCALE_OUT_DIR
@@ -364,8 +430,6 @@ def drill_block(directory: Path) -> str:
 
 def autoscale_block(directory: Path) -> str:
     """Chapter 9's autoscaling under a step load (``benchmarks.scale_out_timeline autoscale``): per step."""
-    import json
-
     from benchmarks.scale_out_timeline import replica_changes, startup_split, step_figures
 
     path = directory / SCALE_OUT_DIR / "autoscale-timeline.json"
@@ -388,8 +452,6 @@ def autoscale_block(directory: Path) -> str:
 
 def replicas_block(directory: Path) -> str:
     """Chapter 8 alone, one replica, two under each router (``benchmarks.scale_out_compare``): medians of the rounds."""
-    import json
-
     path = directory / SCALE_OUT_DIR / "replicas-and-routers.json"
     if not path.exists():
         return f"*No comparison yet: `python -m benchmarks.scale_out_compare --out {_repo_path(path)}`.*"
@@ -436,8 +498,6 @@ SIMULATION_REPLICAS = (1, 2, 8, 64)
 def simulation_block(directory: Path) -> str:
     """Chapter 9's simulation (``chapters.ch09_scale_out.simulation run``): P99s and goodput by router and replicas
     on ``mixed`` near and past the knee, what it assumes, and how one simulated replica compares with chapter 8."""
-    import json
-
     path = directory / SCALE_OUT_DIR / "simulation.json"
     if not path.exists():
         return f"*No simulation yet: `python -m chapters.ch09_scale_out.simulation run --out {_repo_path(path)}`.*"
@@ -468,6 +528,25 @@ def simulation_block(directory: Path) -> str:
             f"(`default` workload, median ms): {check}.\n\nWhat the simulation assumes (from the file):\n\n{assumptions}")
 
 
+def sampling_block(directory: Path) -> str:
+    """Chapter 8's step greedy against sampled, from ``benchmarks.profile_ch08 --sampling-rounds`` (``<dir>/ch08/sampling.json``)."""
+    path = directory / "ch08" / "sampling.json"
+    if not path.exists():
+        return (f"*No sampling measurement yet: `python -m benchmarks.profile_ch08 --sampling-rounds 5 --out "
+                f"{_repo_path(path)}` records one.*")
+    run = json.loads(path.read_text())
+    lines = ["| round | greedy (req/s) | sampled (req/s) | sampled / greedy | update phase, greedy / sampled (median ms) |",
+             "|---|---|---|---|---|"]
+    for index, row in enumerate(run["rounds"], 1):
+        greedy, sampled = row["greedy"], row["sampled"]
+        lines.append(f"| {index} ({' first, '.join(row['order'])} second) | {greedy['requests_per_s']:.1f} | {sampled['requests_per_s']:.1f} "
+                     f"| {sampled['requests_per_s'] / greedy['requests_per_s']:.2f}× "
+                     f"| {greedy['median_update_ms']:.2f} / {sampled['median_update_ms']:.2f} |")
+    return ("\n".join(lines) + f"\n\nMedian ratio over the rounds: **{run['median_ratio']:.2f}×**. In-process, no HTTP: "
+            f"{run['steps']} steps of the loop per run, {run['greedy']} against {run['sampled'].rsplit(', ', 1)[-1]}. "
+            f"Reproduce: `{run['command']}`.")
+
+
 def render_key(key: str, results: Mapping[str, BenchmarkResult], directory: Path, readme: Path, profile: str) -> str:
     if key == "ch09-simulation":
         return simulation_block(directory)
@@ -487,6 +566,10 @@ def render_key(key: str, results: Mapping[str, BenchmarkResult], directory: Path
         return packed_step_profile_block(directory)
     if key == "kv-share":
         return kv_share_block(directory)
+    if key == "ch08-prefix-caching":
+        return prefix_caching_block(directory)
+    if key == "ch08-sampling":
+        return sampling_block(directory)
     if key == "streaming":
         return streaming_block(directory)
     if key == "machines":
@@ -514,10 +597,12 @@ def split_key(key: str, default_profile: str) -> tuple[str, str]:
 
 
 def split_workload(name: str) -> tuple[str, str]:
-    """``ch04-long`` -> ``("ch04", "long")``: a block of a non-default workload's results; else the default."""
-    label, _, suffix = name.rpartition("-")
-    if label and suffix in WORKLOADS and suffix != "default":
-        return label, suffix
+    """``ch04-long`` -> ``("ch04", "long")``: a block of a non-default workload's results (a workload's name
+    may hold hyphens: ``ch08-shared-prefix``); else the default."""
+    for workload in WORKLOADS:
+        label = name.removesuffix(f"-{workload}")
+        if workload != "default" and label and label != name:
+            return label, workload
     return name, "default"
 
 

@@ -16,8 +16,10 @@ first token arrives with its last, so its TTFT is its E2E and TPOT/ITL are not d
 
 The ``mixed`` workload is the article's prompts (16/32/64/128 tokens) with new tokens drawn from 8 to
 256, log-uniform (most answers short, a long tail): the mix where a request-level batch is held by
-its longest member. Closed loop: ``--users`` clients each send their next request when the last one
-ends, for ``--duration-s`` seconds; loopback only, bounded in time.
+its longest member. ``default`` is the climb's (32 new tokens) and ``shared-prefix`` the harness's
+prefix-reuse mix (a few long prefixes shared by every request, short distinct suffixes; defined, with
+its mix, in ``benchmarks/workload.py``). Closed loop: ``--users`` clients each send their next request
+when the last one ends, for ``--duration-s`` seconds; loopback only, bounded in time.
 
     python -m benchmarks.streaming run --url http://127.0.0.1:8000 --users 32 --duration-s 20
     python -m benchmarks.streaming compare --chapters ch06 ch08 --users 32 --duration-s 20 \
@@ -29,6 +31,19 @@ workload under ``<results dir>/streaming/``, is what ``notebooks/ch08_continuous
 thread, its thread variables, pinned to the server's cores) and pins this client to the load
 generator's core, so its figures compare with the climb's; without it, each server runs at its own
 defaults and shares every core with the client. The JSON records which (``harness``).
+
+``--variant LABEL=CHAPTER:FLAGS`` adds a chapter run with flags of its own under its own label (after
+``--server-args``, so its flags win), to compare settings of one chapter; ``--rounds N`` runs every
+server N times, alternating, and keeps each one's median-QPS round (every round under its ``rounds``), as
+the climb's repeats do. Chapter 8 with prefix caching on and off, one file per workload
+(``shared-prefix``, then ``default`` and ``mixed``, where caching should cost nothing), read by the
+README block ``ch08-prefix-caching``:
+
+    python -m benchmarks.streaming compare --profile cpu --variant caching-on=ch08:--prefix-caching=on \
+        --variant caching-off=ch08:--prefix-caching=off --workload shared-prefix --users 32 --duration-s 20 \
+        --rounds 3 --out benchmarks/reference/cpu/ch08/prefix-caching/shared-prefix.json
+
+(the same with ``--workload default`` and ``--workload mixed``, each to its own ``<workload>.json``).
 """
 
 from __future__ import annotations
@@ -38,6 +53,8 @@ import asyncio
 import json
 import math
 import random
+import re
+import shlex
 import statistics
 import sys
 import time
@@ -49,6 +66,7 @@ from typing import Any
 import httpx
 
 from benchmarks.workload import PROMPT_ID_RANGE, PROMPT_LENGTHS
+from benchmarks.workload import WORKLOADS as HARNESS_WORKLOADS
 
 MIXED_MIN_NEW, MIXED_MAX_NEW = 8, 256
 
@@ -66,7 +84,75 @@ def default_body(rng: random.Random) -> dict[str, Any]:
     return {"input_ids": [rng.randrange(PROMPT_ID_RANGE) for _ in range(length)], "max_new_tokens": 32}
 
 
-WORKLOADS = {"mixed": mixed_body, "default": default_body}
+# shared-prefix: the Locust harness's own definition, so both clients send the same prompts for a seed.
+WORKLOADS = {"mixed": mixed_body, "default": default_body, "shared-prefix": HARNESS_WORKLOADS["shared-prefix"].body}
+
+# The prefix-caching comparison of chapter 8: its labels, the flag each gives the server, where its files go.
+PREFIX_CACHING_VARIANTS = {"caching-on": "--prefix-caching=on", "caching-off": "--prefix-caching=off"}
+PREFIX_CACHING_DIR = "ch08/prefix-caching"
+PREFIX_CACHING_WORKLOADS = ("shared-prefix", "default", "mixed")
+
+
+def prefix_caching_command(workload: str, results_dir: str = "benchmarks/reference/cpu") -> str:
+    """The command that records chapter 8 with prefix caching on and off on ``workload`` (one file)."""
+    variants = " ".join(f"--variant {label}=ch08:{flag}" for label, flag in PREFIX_CACHING_VARIANTS.items())
+    return (f"python -m benchmarks.streaming compare --profile cpu {variants} --workload {workload} --users 32 "
+            f"--duration-s 20 --rounds 3 --out {results_dir}/{PREFIX_CACHING_DIR}/{workload}.json")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One server ``compare`` measures: ``chapter`` started with ``flags`` of its own, reported under ``label``."""
+
+    label: str
+    chapter: str
+    flags: tuple[str, ...] = ()
+
+    @property
+    def streams(self) -> bool:
+        return self.chapter == "ch08"
+
+
+def parse_variant(text: str) -> Variant:
+    """``LABEL=CHAPTER[:FLAGS]`` -> a :class:`Variant` (``caching-off=ch08:--prefix-caching=off``; FLAGS split as a
+    shell would, so ``"x=ch08:--a 1 --b 2"`` works quoted). Raises ``argparse.ArgumentTypeError`` when malformed."""
+    label, equals, rest = text.partition("=")
+    chapter, _, flags = rest.partition(":")
+    if not equals or not re.fullmatch(r"[A-Za-z0-9_.\-]+", label) or not re.fullmatch(r"ch\d\d", chapter):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected LABEL=CHAPTER[:FLAGS], e.g. caching-off=ch08:--prefix-caching=off")
+    try:
+        return Variant(label, chapter, tuple(shlex.split(flags)))
+    except ValueError as error:  # an unbalanced quote
+        raise argparse.ArgumentTypeError(f"{text!r}: {error}") from None
+
+
+def planned_variants(chapters: list[str] | None, variants: list[Variant]) -> list[Variant]:
+    """The servers ``compare`` runs, in order: each of ``chapters`` at its defaults, then ``variants``;
+    ch06 and ch08 when neither is given. Raises ValueError when two share a label."""
+    plan = [Variant(chapter, chapter) for chapter in (chapters or ([] if variants else ["ch06", "ch08"]))] + variants
+    labels = [variant.label for variant in plan]
+    if duplicates := sorted({label for label in labels if labels.count(label) > 1}):
+        raise ValueError(f"every server compared needs its own label; repeated: {', '.join(duplicates)}")
+    return plan
+
+
+def server_prefix_cache(url: str) -> dict[str, Any] | None:
+    """The server's prefix-cache counters over its whole run (warm-up included), where its ``/stats`` has them (chapter 8's)."""
+    try:
+        stats = httpx.get(f"{url}/stats", timeout=10).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    scheduler = stats.get("scheduler") if isinstance(stats, dict) else None
+    return scheduler.get("prefix_cache") if isinstance(scheduler, dict) else None
+
+
+def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """A server's figures over ``rounds`` (each a :func:`summarize`): the round of median QPS (the lower
+    middle one for an even count), plus every round under ``rounds`` when there were several."""
+    if len(rounds) == 1:
+        return rounds[0]
+    kept = sorted(rounds, key=lambda run: run["qps"])[(len(rounds) - 1) // 2]
+    return {**kept, "rounds": rounds}
 
 
 @dataclass
@@ -182,14 +268,21 @@ def summarize(records: list[RequestRecord], window_s: float, slo_ttft_ms: float 
 
 
 def compare_document(workload: str, users: int, duration_s: float, chapters: dict[str, dict[str, Any]],
-                     command: str, server_args: str = "", harness: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The JSON ``compare`` writes: each chapter's :func:`summarize` (plus ``streamed``) at the same load.
+                     command: str, server_args: str = "", harness: dict[str, Any] | None = None,
+                     variants: list[Variant] | None = None, rounds: int = 1) -> dict[str, Any]:
+    """The JSON ``compare`` writes: each server's :func:`summarize` (plus ``streamed``) at the same load,
+    keyed by its label (a chapter's id unless it is a ``--variant``), its :func:`median_round` when ``rounds`` > 1.
 
     ``harness``: how the servers ran (:func:`harness_settings`); absent in files written before it was
-    recorded, which ran every server at its defaults, unpinned."""
-    return {"kind": "streaming-compare", "schema": 1, "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
-            "command": command, "workload": workload, "users": users, "duration_s": duration_s,
-            "server_args": server_args, "harness": harness or unpinned_harness(), "chapters": chapters}
+    recorded, which ran every server at its defaults, unpinned. ``variants``: each label's chapter and own
+    flags; ``rounds``: how many times each server ran. Both absent in files written before they were
+    recorded: one round, every label a chapter at its defaults."""
+    document = {"kind": "streaming-compare", "schema": 1, "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
+                "command": command, "workload": workload, "users": users, "duration_s": duration_s,
+                "server_args": server_args, "harness": harness or unpinned_harness(), "rounds": rounds, "chapters": chapters}
+    if variants is not None:
+        document["variants"] = {v.label: {"chapter": v.chapter, "flags": shlex.join(v.flags)} for v in variants}
+    return document
 
 
 def unpinned_harness() -> dict[str, Any]:
@@ -255,14 +348,17 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--url", required=True, help="a server on loopback, e.g. http://127.0.0.1:8000")
     run.add_argument("--no-stream", action="store_true", help="the server does not stream: time whole responses")
     compare = sub.choices["compare"]
-    compare.add_argument("--chapters", nargs="+", default=["ch06", "ch08"])
+    compare.add_argument("--chapters", nargs="+", default=None, help="chapters at their defaults (ch06 ch08 when no --variant)")
+    compare.add_argument("--variant", type=parse_variant, action="append", default=[], metavar="LABEL=CHAPTER[:FLAGS]",
+                         help="a chapter with flags of its own, e.g. caching-off=ch08:--prefix-caching=off (repeatable)")
+    compare.add_argument("--rounds", type=int, default=1, help="run every server this many times, alternating")
     compare.add_argument("--server-args", default="", help="extra flags for every server")
     compare.add_argument("--profile", choices=("cpu",), default=None,
                          help="run every server as the climb's profile does (flags, threads, pinned cores)")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
-    if args.users < 1 or args.duration_s <= 0:
-        parser.error("--users must be at least 1 and --duration-s positive")
+    if args.users < 1 or args.duration_s <= 0 or getattr(args, "rounds", 1) < 1:
+        parser.error("--users and --rounds must be at least 1 and --duration-s positive")
 
     if args.command == "run":
         if not args.url.startswith(("http://127.0.0.1", "http://localhost", "http://[::1]")):
@@ -270,20 +366,28 @@ def main(argv: list[str] | None = None) -> None:
         result: dict[str, Any] = {"url": args.url, "workload": args.workload, "users": args.users, **_run(args, args.url, not args.no_stream)}
     else:
         from benchmarks.server_process import running_module
+        from chapters import module_for
 
+        try:
+            plan = planned_variants(args.chapters, args.variant)
+            modules = {variant.label: module_for(variant.chapter) for variant in plan}
+        except (KeyError, ValueError) as error:
+            parser.error(error.args[0])
         harness, profile_args, server_env = harness_settings(args.profile)
-        result = compare_document(args.workload, args.users, args.duration_s, {},
-                                  " ".join(["python -m benchmarks.streaming", *argv]), args.server_args, harness)
-        for chapter in args.chapters:
-            module = "chapters.ch08_continuous_batching" if chapter == "ch08" else None
-            if module is None:
-                from chapters import module_for
-
-                module = module_for(chapter)
-            streams = chapter == "ch08"
-            with running_module(module, [*profile_args, *args.server_args.split()], name=chapter, env=server_env,
-                                cpu_cores=harness["server_cores"]) as server:
-                result["chapters"][chapter] = {"streamed": streams, **_run(args, server.url, streams)}
+        result = compare_document(args.workload, args.users, args.duration_s, {}, "python -m benchmarks.streaming " + shlex.join(argv),
+                                  args.server_args, harness, plan, args.rounds)
+        runs: dict[str, list[dict[str, Any]]] = {variant.label: [] for variant in plan}
+        for _ in range(args.rounds):  # every server once per round, so slow drift of a shared machine hits them all
+            for variant in plan:
+                flags = [*profile_args, *args.server_args.split(), *variant.flags]
+                with running_module(modules[variant.label], flags, name=variant.label, env=server_env,
+                                    cpu_cores=harness["server_cores"]) as server:
+                    record = {"streamed": variant.streams, **_run(args, server.url, variant.streams)}
+                    cache = server_prefix_cache(server.url)
+                    if cache is not None:
+                        record["prefix_cache"] = cache
+                    runs[variant.label].append(record)
+        result["chapters"] = {label: median_round(rounds) for label, rounds in runs.items()}
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

@@ -434,6 +434,54 @@ def synthetic_streaming_comparison(workload: str = "mixed", users: int = 8, dura
     return compare_document(workload, users, duration_s, chapters, "synthetic")
 
 
+# Chapter 8 with prefix caching on and off, per variant: (seconds to the first token, seconds per further
+# token), on a workload whose prompts share prefixes and on one whose prompts share nothing (where the two
+# variants do the same work).
+SYNTHETIC_PREFIX_CACHING = {
+    True: {"caching-on": (0.05, 0.012), "caching-off": (0.2, 0.014)},
+    False: {"caching-on": (0.08, 0.012), "caching-off": (0.08, 0.012)},
+}
+
+
+def synthetic_prefix_caching_comparison(workload: str = "shared-prefix", users: int = 8, duration_s: float = 10.0,
+                                        rounds: int = 2, seed: int = 0) -> dict:
+    """``benchmarks.streaming compare``'s JSON for chapter 8's two prefix-caching variants on ``workload``, over
+    ``rounds`` rounds, from made-up token timings summarised and kept by the tool's own functions. A closed loop:
+    each user sends as many requests as fit in ``duration_s`` at its variant's pace."""
+    from benchmarks.streaming import (
+        PREFIX_CACHING_VARIANTS,
+        WORKLOADS,
+        RequestRecord,
+        Variant,
+        compare_document,
+        median_round,
+        summarize,
+    )
+
+    rng = random.Random(f"prefix-caching-{workload}-{seed}")
+    timings = SYNTHETIC_PREFIX_CACHING[workload == "shared-prefix"]
+    chapters = {}
+    for label, (first_s, per_token_s) in timings.items():
+        runs = []
+        for _ in range(rounds):
+            records = []
+            for _ in range(users):
+                sent = 0.0
+                while True:
+                    new_tokens = WORKLOADS[workload](rng)["max_new_tokens"]
+                    times = [sent + first_s * rng.uniform(0.8, 1.2) + i * per_token_s * rng.uniform(0.8, 1.2)
+                             for i in range(new_tokens)]
+                    if times[-1] > duration_s:
+                        break
+                    records.append(RequestRecord(sent=sent, status=200, token_times=times, ended=times[-1],
+                                                 output_tokens=new_tokens))
+                    sent = times[-1]
+            runs.append({"streamed": True, **summarize(records, duration_s, None, None, None)})
+        chapters[label] = median_round(runs)
+    variants = [Variant(label, "ch08", (flag,)) for label, flag in PREFIX_CACHING_VARIANTS.items()]
+    return compare_document(workload, users, duration_s, chapters, "synthetic", variants=variants, rounds=rounds)
+
+
 def synthetic_scale_out_timeline(scenario: str, replicas: int = 2, clients: int = 6, back_s: float = 6.0) -> dict:
     """A chapter 9 timeline (``benchmarks.scale_out_timeline``): ``drill`` kills a replica at 0 s and has
     ``replicas`` running again at ``back_s``; ``autoscale`` steps the clients up and down, one replica added."""
@@ -516,7 +564,8 @@ def synthetic_simulation() -> dict:
 
 
 def write_synthetic_production_and_streaming(directory: Path) -> list[Path]:
-    """The files chapters 7, 8 and 9's notebooks read, in ``directory/ch07/``, ``directory/streaming/`` and ``directory/ch09/``."""
+    """The files chapters 7, 8 and 9's notebooks read, in ``directory/ch07/``, ``directory/streaming/``,
+    ``directory/ch08/prefix-caching/`` and ``directory/ch09/``."""
     import json
 
     documents = {Path("ch07") / "drain-timeline.json": synthetic_drain_timeline()}
@@ -527,6 +576,8 @@ def write_synthetic_production_and_streaming(directory: Path) -> list[Path]:
     documents[Path("ch09") / "simulation.json"] = synthetic_simulation()
     documents.update({Path("ch07") / f"leak-{lesson}.json": synthetic_leak_report(lesson) for lesson in ("leaky", "fixed")})
     documents.update({Path("streaming") / f"{w}.json": synthetic_streaming_comparison(w) for w in ("mixed", "default")})
+    documents.update({Path("ch08") / "prefix-caching" / f"{w}.json": synthetic_prefix_caching_comparison(w)
+                      for w in ("shared-prefix", "default", "mixed")})
     paths = []
     for relative, document in documents.items():
         path = Path(directory) / relative

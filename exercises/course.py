@@ -48,6 +48,8 @@ COURSE: tuple[Step, ...] = (
     Step("ch08.5", 15, needs=("ch08.1",)),
     Step("ch08.2", 45, needs=("ch08.1", "ch08.4", "ch08.5")),
     Step("ch08.3", 30, needs=("ch08.1", "ch08.2", "ch08.4", "ch08.5")),
+    Step("ch08.6", 15, needs=("ch08.1",)),
+    Step("ch08.7", 20),
     Step("ch09.3", 15),
     Step("ch09.1", 20),
     Step("ch09.2", 30, needs=("ch09.3",)),

@@ -106,6 +106,12 @@ def _describe(error: ValidationError) -> str:
 
 def parse_inference_request(body: bytes, limits: ContractLimits, tokenizer: Tokenizer) -> ValidRequest:
     """Turn a raw request body into checked ids, or raise :class:`ApiError` saying what is wrong."""
+    request = read_inference_request(body, limits)
+    return ValidRequest(input_ids=checked_prompt(request, limits, tokenizer), max_new_tokens=request.max_new_tokens)
+
+
+def read_inference_request(body: bytes, limits: ContractLimits, schema: type[InferenceRequest] = InferenceRequest) -> InferenceRequest:
+    """The body as ``schema`` (the contract's request, or a chapter's extension of it); 413, 400 or 422 if it is not one."""
     if len(body) > limits.max_body_bytes:
         raise ApiError(413, "body_too_large", f"request body is {len(body)} bytes; the limit is {limits.max_body_bytes}")
     try:
@@ -113,9 +119,13 @@ def parse_inference_request(body: bytes, limits: ContractLimits, tokenizer: Toke
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ApiError(400, "invalid_json", f"request body is not valid JSON: {exc}") from None
     try:
-        request = InferenceRequest.model_validate(raw)
+        return schema.model_validate(raw)
     except ValidationError as exc:
         raise ApiError(422, "invalid_request", _describe(exc)) from None
+
+
+def checked_prompt(request: InferenceRequest, limits: ContractLimits, tokenizer: Tokenizer) -> list[int]:
+    """The request's prompt as ids (its ``prompt`` encoded, or its ``input_ids``), within ``limits``; else 422."""
     if request.prompt is not None:
         try:
             ids = tokenizer.encode(request.prompt)
@@ -123,7 +133,7 @@ def parse_inference_request(body: bytes, limits: ContractLimits, tokenizer: Toke
             raise ApiError(422, "invalid_request", str(exc)) from None
     else:
         ids = request.input_ids or []
-    return ValidRequest(input_ids=check_limits(ids, request.max_new_tokens, limits), max_new_tokens=request.max_new_tokens)
+    return check_limits(ids, request.max_new_tokens, limits)
 
 
 def check_limits(ids: list[int], max_new_tokens: int, limits: ContractLimits) -> list[int]:

@@ -254,6 +254,7 @@ def in_window(run: dict, start: float, end: float) -> list[list]:
     return [r for r in run["requests"] if start <= r[0] + r[1] <= end]
 
 
+@pytest.mark.slow  # real Locust master and two workers: make test-slow; the level's bookkeeping has unit tests above
 def test_two_workers_requests_all_reach_the_level(tmp_path: Path):
     plan = closed_plan(workers=2, users=4, seconds=1.5)
     with running_module("benchmarks.trivial_server", name="instant") as server:
@@ -287,6 +288,7 @@ def test_two_workers_share_the_open_loops_rate(tmp_path: Path):
     assert not locust_processes_of(tmp_path)
 
 
+@pytest.mark.slow  # real processes: make test-slow
 def test_a_worker_that_dies_ends_the_level_and_every_process(tmp_path: Path):
     plan = closed_plan(workers=2, users=4, seconds=20.0)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from chapters.ch08_continuous_batching.block_manager import BlockManager, OutOfBlocks
 
@@ -93,3 +94,145 @@ def test_copy_on_write_gives_the_writer_a_private_last_block() -> None:
     assert source == shared and manager.tables["b"][-1] == destination != shared
     assert manager.ref_counts[shared] == 1 and manager.make_last_block_writable("b") is None
     manager.check_consistent()
+
+
+# -- prefix caching: the same ledger, plus blocks found by their tokens ----------------------------
+
+PREFIXES = ([1, 2, 3, 4] * 4, [1, 2, 3, 4, 5, 6, 7, 8] * 2, [2, 1] * 8)  # equal blocks at different places
+
+
+class CachingModel:
+    """What the pool would physically hold: for each written slot, the prefix its keys and values were computed from.
+
+    A slot's keys and values depend on every token up to its position, so a cached block is right
+    for a query only if each of its slots was computed from exactly the query's prefix up to there.
+    """
+
+    def __init__(self, manager: BlockManager) -> None:
+        self.manager = manager
+        self.tokens: dict[int, list[int]] = {}
+        self.computed: dict[int, int] = {}
+        self.slots: dict[int, dict[int, tuple[int, ...]]] = {b: {} for b in range(manager.total_blocks)}
+
+    def assert_holds(self, blocks: tuple[int, ...] | list[int], query: list[int]) -> None:
+        for index, block in enumerate(blocks):
+            for offset in range(SIZE):
+                position = index * SIZE + offset
+                assert self.slots[block].get(offset) == tuple(query[: position + 1]), (
+                    f"block {block} at {index} was computed from other tokens than the query's")
+
+    def compute(self, seq: int, n: int) -> None:
+        """Compute ``n`` more positions of ``seq`` (a decode appends a token first), as a step would, then register."""
+        manager, tokens = self.manager, self.tokens[seq]
+        if self.computed[seq] == len(tokens):
+            tokens.append((len(tokens) + seq) % 3)  # a decoded token (forks part ways); few values make equal blocks likely
+        end = min(self.computed[seq] + n, len(tokens))
+        manager.grow_to(seq, end)
+        for position in range(self.computed[seq], end):
+            table = manager.tables[seq]
+            block = table[position // SIZE]
+            if manager.ref_counts[block] > 1:  # shared by a fork: copy on write, only ever the last block
+                if block != table[-1]:
+                    break
+                source, block = manager.make_last_block_writable(seq)
+                self.slots[block] = dict(self.slots[source])
+            assert manager.ref_counts[block] == 1, f"{seq} writes position {position} into a shared block"
+            self.slots[block][position % SIZE] = tuple(tokens[: position + 1])
+            self.computed[seq] = position + 1
+        manager.cache_full_blocks(seq, tokens, self.computed[seq])
+
+
+class PrefixCachingMachine(RuleBasedStateMachine):
+    """Any interleaving of admit-with-prefix / compute (grow, write, register) / fork / free / lookup.
+
+    After every rule: the ledger is consistent (:meth:`BlockManager.check_consistent`), and every
+    cached lookup returned blocks computed from exactly the query's tokens.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.manager = BlockManager(TOTAL, SIZE, prefix_caching=True)
+        self.model = CachingModel(self.manager)
+
+    def snapshot(self) -> tuple:
+        m = self.manager
+        return dict(m._free), list(m.ref_counts), {s: list(t) for s, t in m.tables.items()}
+
+    @rule(seq=st.integers(0, 4), which=st.integers(0, len(PREFIXES) - 1), keep=st.integers(0, 16), suffix=st.integers(1, 6),
+          extra=st.integers(0, 12))
+    def admit(self, seq: int, which: int, keep: int, suffix: int, extra: int) -> None:
+        manager = self.manager
+        if seq in manager.tables:
+            return
+        query = PREFIXES[which][:keep] + [9] * suffix
+        cached = manager.cached_prefix(query)
+        self.model.assert_holds(cached.blocks, query)
+        assert cached.tokens <= len(query) - 1, "the last token is always left to compute"
+        before = self.snapshot()
+        try:
+            manager.allocate(seq, cached.tokens + 1 + extra, cached)
+        except OutOfBlocks:
+            assert self.snapshot() == before, "all or nothing"
+            return
+        table = manager.tables[seq]
+        assert table[: len(cached.blocks)] == list(cached.blocks)
+        for block in table[len(cached.blocks):]:
+            assert before[1][block] == 0 and manager.ref_counts[block] == 1, "a new block was free and is now private"
+        for block in cached.blocks:
+            assert manager.ref_counts[block] == before[1][block] + 1, "a hit is one more holder"
+        self.model.tokens[seq], self.model.computed[seq] = query, cached.tokens
+
+    @precondition(lambda self: self.manager.tables)
+    @rule(data=st.data(), n=st.integers(1, 9))
+    def compute(self, data: st.DataObject, n: int) -> None:
+        seq = data.draw(st.sampled_from(sorted(self.manager.tables)))
+        before = self.snapshot()
+        try:
+            self.model.compute(seq, n)
+        except OutOfBlocks:
+            assert self.snapshot()[:2] == before[:2], "all or nothing"
+
+    @precondition(lambda self: self.manager.tables)
+    @rule(data=st.data(), child=st.integers(0, 4))
+    def fork(self, data: st.DataObject, child: int) -> None:
+        parent = data.draw(st.sampled_from(sorted(self.manager.tables)))
+        if child in self.manager.tables:
+            return
+        free_before = self.manager.free_blocks
+        self.manager.fork(parent, child)
+        assert self.manager.free_blocks == free_before
+        self.model.tokens[child], self.model.computed[child] = list(self.model.tokens[parent]), self.model.computed[parent]
+
+    @precondition(lambda self: self.manager.tables)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        manager = self.manager
+        seq = data.draw(st.sampled_from(sorted(manager.tables)))
+        held_elsewhere = {block for s, t in manager.tables.items() if s != seq for block in t}
+        manager.free(seq)
+        assert all(manager.ref_counts[block] > 0 for block in held_elsewhere), "a block another table holds was released"
+        del self.model.tokens[seq], self.model.computed[seq]
+
+    @rule(which=st.integers(0, len(PREFIXES) - 1), keep=st.integers(0, 16))
+    def lookup(self, which: int, keep: int) -> None:
+        query = PREFIXES[which][:keep] + [9]
+        self.model.assert_holds(self.manager.cached_prefix(query).blocks, query)
+
+    @invariant()
+    def consistent(self) -> None:
+        self.manager.check_consistent()
+        assert self.manager.hits_tokens <= self.manager.lookups_tokens
+
+    def teardown(self) -> None:
+        manager = self.manager
+        for seq_id in list(manager.tables):
+            manager.free(seq_id)
+        manager.check_consistent()
+        assert manager.free_blocks == TOTAL and all(count == 0 for count in manager.ref_counts)
+        for which in range(len(PREFIXES)):  # what is still cached after everybody left is still right
+            query = PREFIXES[which] + [9]
+            self.model.assert_holds(manager.cached_prefix(query).blocks, query)
+
+
+PrefixCachingMachine.TestCase.settings = settings(max_examples=120, stateful_step_count=40, deadline=None)
+test_with_prefix_caching_no_block_is_freed_while_held_and_no_lookup_returns_other_tokens = PrefixCachingMachine.TestCase

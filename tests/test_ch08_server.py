@@ -19,6 +19,7 @@ import httpx
 import pytest
 from asgi_helpers import serving, until
 from prometheus_client.parser import text_string_to_metric_families
+from sampling_oracle import reference_sampled
 
 from chapters.ch07_production.server import ProductionSettings
 from chapters.ch07_production.server import build_app as build_chapter7
@@ -86,6 +87,40 @@ def test_inference_returns_the_oracles_tokens_with_the_contracts_fields(oracle) 
         stats = (await client.get("/stats")).json()["scheduler"]
         assert stats["finished"] == 3 + 1 and stats["blocks_used"] == 0  # and the start-up probe and stats["blocks_free"] == stats["blocks_total"]
         assert stats["running"] == stats["waiting"] == 0 and stats["tokens_per_step"] > 0
+
+    run(app, scenario)
+
+
+def test_inference_samples_with_a_seed_streamed_or_not_and_greedy_neighbours_keep_the_oracles_tokens(oracle, default_model) -> None:
+    app = build_app(settings())
+    prompt = list(b"Once upon a time, ")
+    sampled = {"temperature": 0.8, "top_k": 50, "top_p": 0.95, "seed": 5}
+    wanted = reference_sampled(default_model.model, prompt, 20, **sampled)
+
+    async def scenario(client: httpx.AsyncClient) -> None:
+        body = {"input_ids": prompt, "max_new_tokens": 20, **sampled}
+        answers = await asyncio.gather(client.post("/v1/inference", json=body),
+                                       client.post("/v1/inference", json={"input_ids": prompt, "max_new_tokens": 20}),
+                                       client.post("/v1/inference", json={**body, "stream": True}))
+        assert [a.status_code for a in answers] == [200, 200, 200], [a.text for a in answers]
+        assert answers[0].json()["output_ids"] == wanted
+        assert answers[1].json()["output_ids"] == oracle(prompt, 20)
+        done = [json.loads(line.removeprefix("data: ")) for line in answers[2].text.splitlines() if line.startswith("data: ")][-1]
+        assert done["output_ids"] == wanted
+        schema = (await client.get("/openapi.json")).json()["paths"]["/v1/inference"]["post"]["requestBody"]["content"]
+        assert {"temperature", "top_k", "top_p", "seed", "stream"} <= set(schema["application/json"]["schema"]["properties"])
+
+    run(app, scenario)
+
+
+@pytest.mark.parametrize("field", [{"temperature": 2.5}, {"top_p": 0}, {"top_k": -1}, {"seed": "x"}, {"logprobs": 2}])
+def test_out_of_range_sampling_fields_get_a_422_naming_the_field(field: dict) -> None:
+    app = build_app(settings())
+
+    async def scenario(client: httpx.AsyncClient) -> None:
+        answer = await client.post("/v1/inference", json={"input_ids": [1, 2], "max_new_tokens": 4, **field})
+        assert answer.status_code == 422 and next(iter(field)) in answer.json()["error"]["message"]
+        assert (await client.post("/v1/inference", json={"input_ids": [1, 2], "max_new_tokens": 4})).status_code == 200
 
     run(app, scenario)
 

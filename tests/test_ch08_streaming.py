@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 import requests
+from sampling_oracle import reference_sampled
 
 from benchmarks.server_process import running_module
 
@@ -93,9 +94,54 @@ def test_the_openai_clients_errors_carry_the_contracts_statuses(client, model_na
         client.completions.create(model=model_name, prompt="x" * 500, max_tokens=100)
     assert over_context.value.status_code == 422 and "context" in over_context.value.message
     with pytest.raises(openai.UnprocessableEntityError, match="temperature"):
-        client.completions.create(model=model_name, prompt="hi", max_tokens=4, temperature=0.7)
+        client.completions.create(model=model_name, prompt="hi", max_tokens=4, temperature=2.5)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=4)
+
+
+SAMPLED = {"temperature": 1.0, "top_p": 0.9, "seed": 11}
+
+
+def test_the_openai_client_samples_with_a_seed_and_stops_at_a_stop_string(client, model_name, default_model) -> None:
+    """Seeded sampling gives the sampling oracle's tokens; the text ends before the first stop string."""
+    prompt, tokenizer = "Once upon a time, ", default_model.tokenizer
+    sampled = tokenizer.decode(reference_sampled(default_model.model, list(prompt.encode()), 40, **SAMPLED))
+    plain = client.completions.create(model=model_name, prompt=prompt, max_tokens=40, **SAMPLED)
+    assert plain.choices[0].text == sampled and plain.choices[0].finish_reason == "length"
+    stop = sampled[12:14]  # two characters, two byte tokens: the stop spans a token boundary
+    cut = sampled.find(stop)
+    stopped = client.completions.create(model=model_name, prompt=prompt, max_tokens=40, stop=[stop, "\x00"], logprobs=2, **SAMPLED)
+    choice = stopped.choices[0]
+    assert choice.text == sampled[:cut] and choice.finish_reason == "stop"
+    assert stopped.usage.completion_tokens == len(sampled[:cut + len(stop)].encode())  # the stop's tokens were generated
+    assert "".join(choice.logprobs.tokens) == sampled[:cut + len(stop)]
+    assert len(choice.logprobs.token_logprobs) == len(choice.logprobs.top_logprobs) == stopped.usage.completion_tokens
+    assert all(len(top) <= 2 and lp <= 0 for top, lp in zip(choice.logprobs.top_logprobs, choice.logprobs.token_logprobs))
+    assert choice.logprobs.text_offset == list(range(stopped.usage.completion_tokens))  # one byte, one character here
+
+
+def test_the_openai_client_streams_sampled_text_with_logprobs_and_the_same_stop(client, model_name, default_model) -> None:
+    prompt, tokenizer = "Once upon a time, ", default_model.tokenizer
+    sampled = tokenizer.decode(reference_sampled(default_model.model, list(prompt.encode()), 40, **SAMPLED))
+    stop = sampled[20:23]
+    chunks = list(client.completions.create(model=model_name, prompt=prompt, max_tokens=40, stop=stop, logprobs=1,
+                                            stream=True, stream_options={"include_usage": True}, **SAMPLED))
+    choices = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(c.text for c in choices) == sampled[:sampled.find(stop)]
+    assert choices[-1].finish_reason == "stop" and all(c.finish_reason is None for c in choices[:-1])
+    per_token = [c.logprobs for c in choices if c.logprobs is not None]
+    assert len(per_token) == chunks[-1].usage.completion_tokens  # one chunk with log-probabilities per token
+    assert "".join(lp.tokens[0] for lp in per_token) == sampled[:sampled.find(stop) + len(stop)]
+
+
+def test_the_openai_client_gets_a_422_naming_each_field_this_server_does_not_implement(client, model_name) -> None:
+    for field, value in (("n", 2), ("echo", True), ("presence_penalty", 0.5), ("best_of", 3), ("logprobs", 6)):
+        with pytest.raises(openai.UnprocessableEntityError, match=field):
+            client.completions.create(model=model_name, prompt="hi", max_tokens=4, **{field: value})
+    with pytest.raises(openai.UnprocessableEntityError, match="min_p"):
+        client.completions.create(model=model_name, prompt="hi", max_tokens=4, extra_body={"min_p": 0.1})
+    with pytest.raises(openai.UnprocessableEntityError, match="stop"):
+        client.completions.create(model=model_name, prompt="hi", max_tokens=4, stop=["a", "b", "c", "d", "e"])
 
 
 def test_100_open_streams_with_half_closed_early_leave_every_block_in_the_pool(ch08, oracle) -> None:

@@ -104,7 +104,7 @@ BAD_INPUTS = [
     ("bool ids", {"input_ids": [True, False]}, 422, "invalid_request"),
     ("float max_new_tokens", {"prompt": "a", "max_new_tokens": 4.0}, 422, "invalid_request"),
     ("prompt not a string", {"prompt": ["a"]}, 422, "invalid_request"),
-    ("unknown field", {"prompt": "a", "temperature": 0.7}, 422, "invalid_request"),
+    ("unknown field", {"prompt": "a", "best_of": 2}, 422, "invalid_request"),
     ("body not an object", [1, 2, 3], 422, "invalid_request"),
     ("empty list", {"input_ids": []}, 422, "invalid_request"),
     ("empty prompt", {"prompt": ""}, 422, "invalid_request"),
@@ -125,6 +125,20 @@ BAD_INPUTS = [
 @pytest.mark.parametrize(("body", "status", "type_"), [case[1:] for case in BAD_INPUTS], ids=[case[0] for case in BAD_INPUTS])
 def test_bad_input_gets_its_status_and_a_json_error(chapter_server: RunningServer, body: object, status: int, type_: str) -> None:
     assert_error(post(chapter_server, body), status, type_)
+
+
+SAMPLING_CHAPTERS = {"ch08"}  # chapters whose /v1/inference takes the sampling fields (chapter 8's scheduler samples)
+
+
+def test_sampling_fields_are_refused_where_the_chapter_decodes_only_greedily(chapter_server: RunningServer, oracle) -> None:
+    """Chapters 1-7 decode greedily: a sampling field is unknown there (422), never silently ignored."""
+    response = post(chapter_server, {"prompt": "a", "max_new_tokens": 4, "temperature": 0.7, "seed": 1})
+    if chapter_server.chapter in SAMPLING_CHAPTERS:
+        assert response.status_code == 200 and len(response.json()["output_ids"]) == 4
+        assert_answer(post(chapter_server, {"prompt": "a", "max_new_tokens": 4, "temperature": 0}), [97], 4, oracle)
+    else:
+        assert_error(response, 422, "invalid_request")
+        assert "temperature" in response.json()["error"]["message"]
 
 
 def test_chunked_request_within_the_limit(chapter_server: RunningServer, oracle) -> None:

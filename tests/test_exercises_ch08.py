@@ -1,5 +1,7 @@
 """Graded tests of chapter 8's exercises: paged allocation (ch08.1), admission under two budgets (ch08.2),
-preemption by recompute (ch08.3), the packed step's inputs (ch08.4), the slot mapping (ch08.5).
+preemption by recompute (ch08.3), the packed step's inputs (ch08.4), the slot mapping (ch08.5), the
+block hash chain of prefix caching (ch08.6), top-p sampling (ch08.7, against a brute-force nucleus and
+the real model's distribution).
 
 Pure bookkeeping and a fake model: the block manager is checked against a plain oracle (a FIFO free
 list and a count per block), the scheduler with the fake model of ``test_ch08_scheduler.py``, whose
@@ -13,8 +15,10 @@ from collections import deque
 from dataclasses import dataclass
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sampling_oracle import brute_force_nucleus, model_logits
 from test_ch08_scheduler import (
     FAKE_CONFIG,
     fake_oracle,
@@ -25,9 +29,10 @@ from test_ch08_scheduler import (
 
 from chapters.ch03_dynamic_batching.step_loop import run_step
 from chapters.ch04_memory_pool.memory_pool import KVMemoryPool
-from chapters.ch08_continuous_batching.block_manager import BlockManager, OutOfBlocks
+from chapters.ch08_continuous_batching.block_manager import ROOT_HASH, BlockManager, OutOfBlocks, block_hash
 from chapters.ch08_continuous_batching.model_runner import pack_rows
 from chapters.ch08_continuous_batching.paged_cache import PagedKVStore
+from chapters.ch08_continuous_batching.sampling import SamplingParams, keep_top_p, sample_tokens
 from chapters.ch08_continuous_batching.scheduler import Sequence, Status
 
 # ----------------------------------------------------------------------------- ch08.1: paged allocation
@@ -280,3 +285,73 @@ def test_a_table_that_grew_after_other_sequences_took_blocks_is_not_contiguous()
     store.manager.grow_to("b", 9)  # blocks 3, 4: b's table is [0, 3, 4]
     assert store.slots("b", 0, 9) == [0, 1, 2, 3, 12, 13, 14, 15, 16]
     assert store.slots("b", 3, 5) == [3, 12], "a chunk may cross from one block to a distant one"
+
+
+# ----------------------------------------------------------------------------- ch08.6: the block hash chain
+
+
+@pytest.mark.exercise("ch08.6")
+def test_a_blocks_identity_depends_on_its_tokens_their_order_and_its_parent() -> None:
+    first = block_hash(ROOT_HASH, [1, 2, 3, 4])
+    assert isinstance(first, bytes) and len(first) >= 16, "a cryptographic digest, not a 64-bit hash()"
+    assert block_hash(ROOT_HASH, [1, 2, 3, 4]) == first == block_hash(ROOT_HASH, (1, 2, 3, 4)), "a pure function of the tokens"
+    assert block_hash(ROOT_HASH, [1, 2, 4, 3]) != first, "the order of the tokens counts"
+    assert block_hash(ROOT_HASH, [1, 2, 3, 5]) != first, "every token counts"
+    second = block_hash(first, [1, 2, 3, 4])
+    assert second != first, "the same tokens after another prefix are another block"
+    assert block_hash(block_hash(ROOT_HASH, [9, 9, 9, 9]), [1, 2, 3, 4]) != second, "the parent's identity counts"
+
+
+@pytest.mark.exercise("ch08.6")
+def test_token_lists_a_loose_encoding_would_confuse_get_different_identities() -> None:
+    confusable = [
+        ([1, 23], [12, 3]),  # digits run together
+        ([1, 256], [1, 0]),  # one byte per token
+        ([0, 1], [256, 0]),  # one byte per token, the other way
+        ([65536, 0], [0, 1]),  # two bytes per token
+    ]
+    for one, other in confusable:
+        assert block_hash(ROOT_HASH, one) != block_hash(ROOT_HASH, other), (one, other)
+
+
+@pytest.mark.exercise("ch08.6")
+def test_the_cache_finds_a_prefix_only_through_the_whole_chain() -> None:
+    manager = BlockManager(8, 2, prefix_caching=True)
+    tokens = [5, 5, 6, 6, 7, 7, 0]
+    manager.allocate("a", len(tokens))
+    assert manager.cache_full_blocks("a", tokens, len(tokens)) == 3
+    manager.free("a")
+    assert manager.cached_prefix(tokens).tokens == 6
+    assert manager.cached_prefix([9, 9, 6, 6, 7, 7, 0]).tokens == 0, "[6 6] after [9 9] is another block than after [5 5]"
+    assert manager.cached_prefix([5, 5, 6, 1, 7, 7, 0]).tokens == 2, "the chain ends at the first difference"
+    assert manager.cached_prefix([6, 6, 7, 7, 0]).tokens == 0, "the same tokens at another position"
+
+
+# ----------------------------------------------------------------------------- ch08.7: top-p sampling
+
+
+@given(st.lists(st.floats(-8, 8), min_size=2, max_size=40, unique=True), st.floats(0.05, 0.999))
+@settings(max_examples=200, deadline=None)
+@pytest.mark.exercise("ch08.7")
+def test_top_p_keeps_exactly_the_smallest_most_likely_set_that_reaches_p(values: list[float], top_p: float) -> None:
+    logits = torch.tensor(values, dtype=torch.float64)
+    kept = {i for i, v in enumerate(keep_top_p(logits[None], torch.tensor([[top_p]]))[0].tolist()) if v != float("-inf")}
+    assert kept == brute_force_nucleus(torch.softmax(logits, -1).tolist(), top_p)
+
+
+@pytest.mark.exercise("ch08.7")
+def test_top_p_of_one_keeps_everything_and_a_tiny_p_keeps_the_most_likely_token() -> None:
+    logits = torch.tensor([[0.1, 3.0, -1.0, 2.9], [0.1, 3.0, -1.0, 2.9]])
+    kept = keep_top_p(logits, torch.tensor([[1.0], [1e-6]]))  # each row its own p
+    assert torch.equal(kept[0], logits[0])
+    assert kept[1, 1] == 3.0 and torch.isinf(kept[1, [0, 2, 3]]).all()
+
+
+@pytest.mark.exercise("ch08.7")
+def test_sampled_tokens_never_leave_the_nucleus(default_model) -> None:
+    logits = model_logits(default_model.model, list(b"Once upon a time, "))
+    params = SamplingParams(temperature=1.0, top_p=0.8, seed=3)
+    nucleus = brute_force_nucleus(torch.softmax(logits, -1).tolist(), 0.8)
+    generator = params.generator()
+    drawn = {sample_tokens(logits[None], [params], [generator])[0][0] for _ in range(300)}
+    assert drawn <= nucleus and len(drawn) > 1

@@ -99,6 +99,21 @@ class StreamedRequest:
 StreamWriter = Callable[[AsyncIterator[int | Generated], StreamedRequest], Response]
 
 
+@dataclass(frozen=True)
+class RequestContract:
+    """What ``/v1/inference`` accepts: the body's schema (for the OpenAPI document) and the function that checks a body.
+
+    Every chapter serves the contract's own (:data:`INFERENCE_CONTRACT`); a backend that can honour
+    more fields (chapter 8's sampling) is served with a contract whose schema extends it.
+    """
+
+    schema: type[InferenceRequest]
+    parse: Callable[[bytes, ContractLimits, Tokenizer], ValidRequest]
+
+
+INFERENCE_CONTRACT = RequestContract(InferenceRequest, parse_inference_request)
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The body, refusing early (413) when the declared or the streamed size passes ``limit``.
 
@@ -152,14 +167,14 @@ _ERROR_SCHEMA = {
 }
 
 
-def inference_openapi(streams: bool = False) -> dict:
+def inference_openapi(streams: bool = False, schema: type[InferenceRequest] = InferenceRequest) -> dict:
     """The request body and every response of ``/v1/inference`` for the OpenAPI document.
 
     The endpoint reads its body by hand (to refuse an oversized one early, 413), so FastAPI cannot
     infer it: without this, ``/docs`` could not try the endpoint and a schema-driven fuzzer would
     send empty bodies. ``streams``: the body also takes ``"stream"``.
     """
-    schema = InferenceRequest.model_json_schema()
+    schema = schema.model_json_schema()
     if streams:
         schema["properties"]["stream"] = {"type": "boolean", "default": False,
                                           "description": "true: the answer is a text/event-stream, one event per token"}
@@ -191,11 +206,12 @@ def take_stream_flag(body: bytes) -> tuple[bytes, bool]:
 
 
 def create_app(*, title: str, limits: ContractLimits, tokenizer: Tokenizer, backend: Backend,
-               stream_writer: StreamWriter | None = None) -> FastAPI:
+               stream_writer: StreamWriter | None = None, contract: RequestContract = INFERENCE_CONTRACT) -> FastAPI:
     """The contract's routes around ``backend``; its ``start``/``close`` bracket the server's life.
 
     With ``stream_writer`` (``backend`` must then be a :class:`StreamingBackend`), ``/v1/inference``
     also accepts ``"stream": true`` and answers with what the writer makes of the backend's stream.
+    ``contract`` checks ``/v1/inference``'s body (the shared contract unless a chapter extends it).
     """
     if stream_writer is not None and not hasattr(backend, "open_stream"):
         raise TypeError(f"{type(backend).__name__} does not stream (no open_stream), yet a stream writer was given")
@@ -231,13 +247,13 @@ def create_app(*, title: str, limits: ContractLimits, tokenizer: Tokenizer, back
     async def stats() -> dict:
         return backend.stats()
 
-    @app.post("/v1/inference", response_model=InferenceResponse, openapi_extra=inference_openapi(stream_writer is not None))
+    @app.post("/v1/inference", response_model=InferenceResponse, openapi_extra=inference_openapi(stream_writer is not None, contract.schema))
     async def inference(request: Request) -> Response:
         started = time.perf_counter()
         request_id = _request_id(request)
         body = await read_body(request, limits.max_body_bytes)
         body, stream_wanted = take_stream_flag(body) if stream_writer is not None else (body, False)
-        valid = parse_inference_request(body, limits, tokenizer)
+        valid = contract.parse(body, limits, tokenizer)
         parsed = time.perf_counter()
         if stream_wanted:
             tokens = await backend.open_stream(valid)  # admission now: a refusal is still a JSON error

@@ -43,7 +43,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field, ValidationError
 from pydantic_settings import BaseSettings
 
-from chapters.ch02_fastapi_async.api import Backend, DisconnectCheck, Generated, StreamWriter, create_app
+from chapters.ch02_fastapi_async.api import (
+    INFERENCE_CONTRACT,
+    Backend,
+    DisconnectCheck,
+    Generated,
+    RequestContract,
+    StreamWriter,
+    create_app,
+)
 from chapters.ch04_memory_pool.server import AdmissionOptions, PoolOptions
 from chapters.ch05_inference_engine.server import EngineOptions
 from chapters.ch06_tuned_batching.server import TunedBatcherOptions, apply_tuned_config, build_backend
@@ -273,13 +281,15 @@ def build_version(settings: ServerSettings, name: str, weights: str, seed: int, 
 
 def build_app(settings: ProductionSettings, backend_factory: BackendFactory = build_backend,
               probe: Callable[[], Awaitable[None]] | None = None, read_state: StateReader = pooled_state,
-              title: str = "ch07 production", chapter: str = "ch07", stream_writer: StreamWriter | None = None) -> FastAPI:
+              title: str = "ch07 production", chapter: str = "ch07", stream_writer: StreamWriter | None = None,
+              contract: RequestContract = INFERENCE_CONTRACT) -> FastAPI:
     """The server: the production shell around the backends ``backend_factory`` builds, one per model version.
 
     ``settings`` needs chapter 2's knobs and :class:`ProductionOptions` (and whatever the factory
     reads); ``read_state`` turns a backend into the numbers ``/metrics`` reports; ``probe`` replaces
     the readiness probe (a real request through the newest version's backend); ``stream_writer``
-    (chapter 2's :func:`create_app`) serves ``"stream": true`` when the factory's backends stream.
+    (chapter 2's :func:`create_app`) serves ``"stream": true`` when the factory's backends stream;
+    ``contract`` is what ``/v1/inference`` accepts (chapter 2's).
     """
     set_threads(settings.torch_threads)
     if settings.memory_snapshots and not tracemalloc.is_tracing():
@@ -299,7 +309,8 @@ def build_app(settings: ProductionSettings, backend_factory: BackendFactory = bu
 
     readiness = ReadinessProbe(probe or request_probe(newest_backend), settings.probe_interval_s, settings.probe_timeout_s)
     backend = ProductionBackend(settings, registry, first, drain, readiness, chapter)
-    app = create_app(title=title, limits=limits, tokenizer=first.loaded.tokenizer, backend=backend, stream_writer=stream_writer)
+    app = create_app(title=title, limits=limits, tokenizer=first.loaded.tokenizer, backend=backend, stream_writer=stream_writer,
+                     contract=contract)
     device = first.loaded.model.device
 
     def serving() -> list[tuple]:

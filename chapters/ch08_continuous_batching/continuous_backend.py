@@ -24,6 +24,7 @@ import asyncio
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from chapters.ch02_fastapi_async.api import DisconnectCheck, Generated
 from chapters.ch03_dynamic_batching.batcher import ClientDisconnected
@@ -31,8 +32,18 @@ from chapters.ch04_memory_pool.admission import AdmissionConfig, AdmissionContro
 from chapters.ch07_production.metrics import BackendState
 from chapters.ch08_continuous_batching.step_thread import StepThread, Finished, RequestStream
 from chapters.ch08_continuous_batching.continuous_metrics import TokenLatencies
+from chapters.ch08_continuous_batching.sampled_contract import SampledRequest
+from chapters.ch08_continuous_batching.sampling import GREEDY, TokenLogprobs
 from chapters.ch08_continuous_batching.scheduler import Sequence
 from shared.schemas import ValidRequest
+
+
+@dataclass
+class Completion(Generated):
+    """Chapter 2's :class:`Generated`, plus why the answer ended and, when asked, each token's log-probabilities."""
+
+    finish_reason: str = "length"
+    logprobs: list[TokenLogprobs] | None = None
 
 
 class ContinuousBackend:
@@ -67,7 +78,9 @@ class ContinuousBackend:
         """Admit ``request`` (or raise 429) and hand it to the step thread."""
         self.admission.admit()
         arrived = time.perf_counter()
-        stream = self.step_thread.submit(Sequence(list(request.input_ids), request.max_new_tokens, arrived=arrived))
+        sampling, stop = (request.sampling, request.stop) if isinstance(request, SampledRequest) else (GREEDY, None)
+        stream = self.step_thread.submit(Sequence(list(request.input_ids), request.max_new_tokens, arrived=arrived,
+                                                  sampling=sampling, stop=stop))
         self.in_flight += 1
 
         def ended(result: asyncio.Future) -> None:
@@ -99,7 +112,7 @@ class ContinuousBackend:
             raise
         if finished.error is not None:
             raise finished.error
-        return Generated(finished.output_ids, finished.timings_ms)
+        return _completion(finished)
 
     async def open_stream(self, request: ValidRequest) -> AsyncIterator[int | Generated]:
         """Admit ``request`` now (429 here, before any response starts); then its tokens, then a :class:`Generated`.
@@ -117,7 +130,7 @@ class ContinuousBackend:
                 elif event.error is not None:
                     raise event.error
                 else:
-                    yield Generated(event.output_ids, event.timings_ms)
+                    yield _completion(event)
         finally:
             self._cancel(stream)
 
@@ -138,6 +151,10 @@ class ContinuousBackend:
     async def close(self) -> None:
         # The shell has drained: what was accepted is answered. Stop the thread after its last step.
         await asyncio.to_thread(self.step_thread.stop)
+
+
+def _completion(finished: Finished) -> Completion:
+    return Completion(finished.output_ids, finished.timings_ms, finished.finish_reason or "length", finished.logprobs)
 
 
 def continuous_state(backend: ContinuousBackend) -> BackendState:

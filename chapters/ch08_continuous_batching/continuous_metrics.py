@@ -4,7 +4,8 @@ Chapter 7's series describe requests (latency, status, stages) and a backend's s
 (waiting, KV bytes, batch sizes). A continuous batcher is judged by more: how soon the first token
 comes (TTFT) and how fast the others follow (TPOT, time per output token after the first), how many
 sequences run and wait, how its KV blocks are used, how often memory ran out and a sequence was
-preempted, how many tokens each step computes. All of it is read at scrape time, as chapter 7 does:
+preempted, how many tokens each step computes, and how many prompt tokens the prefix cache spared
+(hits over lookups: the hit rate). All of it is read at scrape time, as chapter 7 does:
 the step thread's counters (:class:`~chapters.ch08_continuous_batching.scheduler.SchedulerStats`)
 and the latencies each backend tallies when a request ends (:class:`TokenLatencies`).
 """
@@ -23,6 +24,7 @@ TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)  # seconds per to
 SERIES = (
     "inference_time_to_first_token_seconds", "inference_time_per_output_token_seconds", "inference_sequences",
     "inference_kv_blocks", "inference_preemptions", "inference_steps", "inference_step_tokens",
+    "inference_prefix_cache_lookup_tokens", "inference_prefix_cache_hit_tokens", "inference_prefix_cache_blocks",
 )
 
 
@@ -82,6 +84,12 @@ class ContinuousCollector(Collector):
         steps = CounterMetricFamily("inference_steps", "steps of the step loop", labels=["version"])
         tokens = CounterMetricFamily("inference_step_tokens", "tokens computed by the steps (rate over inference_steps: tokens per step)",
                                      labels=["version", "kind"])
+        lookups = CounterMetricFamily("inference_prefix_cache_lookup_tokens",
+                                      "tokens of the sequences that looked for a cached prefix when they were admitted", labels=["version"])
+        hits = CounterMetricFamily("inference_prefix_cache_hit_tokens",
+                                   "of those, tokens found already computed (rate over the lookups: the hit rate)", labels=["version"])
+        cached = GaugeMetricFamily("inference_prefix_cache_blocks", "KV blocks findable by their tokens, held or free",
+                                   labels=["version"])
         for name, backend in loaded:
             scheduler = backend.step_thread.scheduler
             stats, manager = scheduler.stats, scheduler.manager
@@ -93,7 +101,10 @@ class ContinuousCollector(Collector):
             steps.add_metric([name], stats.steps)
             tokens.add_metric([name, "prefill"], stats.prefill_tokens)
             tokens.add_metric([name, "decode"], stats.decode_tokens)
-        yield from (sequences, blocks, preemptions, steps, tokens)
+            lookups.add_metric([name], manager.lookups_tokens)
+            hits.add_metric([name], manager.hits_tokens)
+            cached.add_metric([name], manager.cached_blocks)
+        yield from (sequences, blocks, preemptions, steps, tokens, lookups, hits, cached)
         yield histogram_family("inference_time_to_first_token_seconds", "from arrival to the first token (successful requests)",
                                   ["version"], (([name], backend.latencies.ttft) for name, backend in loaded))
         yield histogram_family("inference_time_per_output_token_seconds",

@@ -6,8 +6,16 @@ What is supported, and what is refused with a clear 422 instead of being silentl
 - ``max_tokens`` (default 16, as OpenAI's); the prompt plus ``max_tokens`` must fit the context;
 - ``stream``: server-sent events, one ``text_completion`` chunk per token, then ``data: [DONE]``;
   ``stream_options.include_usage`` adds a last chunk with ``usage``;
-- ``temperature``: 0 or absent. This server decodes greedily (every chapter's promise: the oracle's
-  tokens); sampling would be a different contract, so any other value is refused. ``top_p`` 1, ``n`` 1.
+- ``temperature`` (0 to 2; 0 or absent: greedy, the oracle's tokens), ``top_p``, ``top_k`` (vLLM's
+  extension; 0: no limit) and ``seed``: :mod:`~chapters.ch08_continuous_batching.sampling`;
+- ``stop``: a string or up to 4; the answer ends where its text first contains one, which is not
+  returned (``finish_reason`` "stop"; otherwise "length"):
+  :mod:`~chapters.ch08_continuous_batching.stop_strings`;
+- ``logprobs``: 0 to 5; each token's log-probability under the model, and that many most likely
+  alternatives (OpenAI's ``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``). They
+  cover every generated token, a stop string's included, as ``usage`` counts them;
+- ``n`` 1, ``echo`` false, no penalties, ``best_of`` 1, no ``logit_bias``, no ``suffix``: any other value
+  is refused with a 422 that names the field, never ignored. So is any field this server does not know.
 
 ``model`` must name the served model (``GET /v1/models`` lists it), else 404 as OpenAI answers.
 Errors keep the contract's body ``{"error": {"type", "message"}}``: the OpenAI client reads
@@ -23,11 +31,16 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from chapters.ch02_fastapi_async.api import Generated, read_body
-from chapters.ch08_continuous_batching.streaming import SSE_HEADERS, TextDelta, sse
-from shared.schemas import ApiError, ContractLimits, ValidRequest, check_limits
+from chapters.ch08_continuous_batching.continuous_backend import Completion
+from chapters.ch08_continuous_batching.sampled_contract import SampledRequest
+from chapters.ch08_continuous_batching.sampling import MAX_LOGPROBS, MAX_TEMPERATURE, SamplingParams, TokenLogprobs
+from chapters.ch08_continuous_batching.step_thread import SampledToken
+from chapters.ch08_continuous_batching.stop_strings import MAX_STOPS, StopStrings, StopText, visible_text
+from chapters.ch08_continuous_batching.streaming import SSE_HEADERS, sse
+from shared.schemas import ApiError, ContractLimits, check_limits
 from shared.tokenizer import Tokenizer
 
 
@@ -44,11 +57,37 @@ class CompletionRequest(BaseModel):
     max_tokens: StrictInt = 16
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: StrictInt | None = None
-    seed: StrictInt | None = None  # accepted and ignored: greedy decoding has nothing to seed
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: StrictInt | None = Field(None, ge=0)
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     user: StrictStr | None = None
+    # OpenAI's fields this server does not implement: only their neutral value is accepted.
+    n: StrictInt | None = None
+    best_of: StrictInt | None = None
+    echo: StrictBool | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    suffix: StrictStr | None = None
+
+    def unsupported(self) -> str | None:
+        """The first field set to a value this server does not implement, with what it accepts."""
+        neutral = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "presence_penalty": (None, 0),
+                   "frequency_penalty": (None, 0), "logit_bias": (None, {}), "suffix": (None,)}
+        for name, accepted in neutral.items():
+            if getattr(self, name) not in accepted:
+                return f"{name}: this server supports only {' or '.join(repr(a) for a in accepted if a is not None) or 'absent'}"
+        return None
+
+    def stops(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature or 0.0, top_k=self.top_k or 0,
+                              top_p=1.0 if self.top_p is None else self.top_p, seed=self.seed, logprobs=self.logprobs)
 
 
 class CompletionsApi:
@@ -64,7 +103,7 @@ class CompletionsApi:
     async def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "serving-from-scratch"}]}
 
-    def parse(self, body: bytes) -> tuple[CompletionRequest, ValidRequest]:
+    def parse(self, body: bytes) -> tuple[CompletionRequest, SampledRequest]:
         try:
             request = CompletionRequest.model_validate_json(body)
         except ValidationError as exc:
@@ -74,12 +113,12 @@ class CompletionsApi:
             raise ApiError(422, "invalid_request", where) from None
         if request.model != self.model_name:
             raise ApiError(404, "model_not_found", f"model {request.model!r} is not served here; GET /v1/models lists {self.model_name!r}")
-        if request.temperature not in (None, 0, 0.0):
-            raise ApiError(422, "invalid_request", f"temperature must be 0 or absent: this server decodes greedily (got {request.temperature})")
-        if request.top_p not in (None, 1, 1.0):
-            raise ApiError(422, "invalid_request", f"top_p must be 1 or absent: this server decodes greedily (got {request.top_p})")
-        if request.n not in (None, 1):
-            raise ApiError(422, "invalid_request", f"n must be 1: one completion per request (got {request.n})")
+        refused = request.unsupported()
+        if refused is not None:
+            raise ApiError(422, "invalid_request", refused)
+        stops = request.stops()
+        if stops and (len(stops) > MAX_STOPS or not all(stops)):
+            raise ApiError(422, "invalid_request", f"stop: 1 to {MAX_STOPS} non-empty strings, got {len(stops)}")
         if isinstance(request.prompt, str):
             try:
                 ids = self.tokenizer.encode(request.prompt)
@@ -89,7 +128,9 @@ class CompletionsApi:
             ids = request.prompt
         if not 1 <= request.max_tokens <= self.limits.max_new_tokens:
             raise ApiError(422, "invalid_request", f"max_tokens must be between 1 and {self.limits.max_new_tokens}, got {request.max_tokens}")
-        return request, ValidRequest(check_limits(ids, request.max_tokens, self.limits), request.max_tokens)
+        checked = check_limits(ids, request.max_tokens, self.limits)
+        stop = StopStrings(stops, self.tokenizer) if stops else None
+        return request, SampledRequest(checked, request.max_tokens, sampling=request.sampling(), stop=stop)
 
     async def completions(self, request: Request):
         body = await read_body(request, self.limits.max_body_bytes)
@@ -99,23 +140,41 @@ class CompletionsApi:
             include_usage = bool(completion.stream_options and completion.stream_options.include_usage)
             tokens = await self.backend.open_stream(valid)  # admission now: a refusal is still a JSON error
             return StreamingResponse(
-                self._chunks(tokens, meta, len(valid.input_ids), include_usage), media_type="text/event-stream", headers=SSE_HEADERS
+                self._chunks(tokens, meta, len(valid.input_ids), include_usage, completion.stops()),
+                media_type="text/event-stream", headers=SSE_HEADERS,
             )
         result = await self.backend.generate(valid, request.is_disconnected)
+        logprobs = result.logprobs if isinstance(result, Completion) else None
         return JSONResponse({
             **meta,
-            "choices": [{"text": self.tokenizer.decode(result.output_ids), "index": 0, "logprobs": None, "finish_reason": "length"}],
+            "choices": [_choice(visible_text(self.tokenizer, result.output_ids, completion.stops()), _finish_reason(result),
+                                self._logprobs(result.output_ids, logprobs) if logprobs is not None else None)],
             "usage": _usage(len(valid.input_ids), len(result.output_ids)),
         })
 
-    async def _chunks(self, tokens: AsyncIterator[int | Generated], meta: dict, prompt_tokens: int, include_usage: bool) -> AsyncIterator[bytes]:
-        text = TextDelta(self.tokenizer)
+    def _logprobs(self, output_ids: list[int], logprobs: list[TokenLogprobs], before: list[int] | None = None) -> dict:
+        """OpenAI's completions ``logprobs`` object for ``output_ids`` (which follow ``before``; ``text_offset`` counts from the answer's start)."""
+        decode = self.tokenizer.decode
+        before = before or []
+        return {
+            "tokens": [decode([token]) for token in output_ids],
+            "token_logprobs": [entry.logprob for entry in logprobs],
+            "top_logprobs": [{decode([t]): lp for t, lp in entry.top} for entry in logprobs],
+            "text_offset": [len(decode(before + output_ids[:i])) for i in range(len(output_ids))],
+        }
+
+    async def _chunks(self, tokens: AsyncIterator[int | Generated], meta: dict, prompt_tokens: int, include_usage: bool,
+                      stops: tuple[str, ...]) -> AsyncIterator[bytes]:
+        text = StopText(self.tokenizer, stops)
         try:
             async for event in tokens:
                 if not isinstance(event, Generated):
-                    yield sse({**meta, "choices": [_choice(text.add(event), None)]})
+                    before = list(text.ids)
+                    delta = text.add(event)
+                    logprobs = self._logprobs([int(event)], [event.logprobs], before=before) if isinstance(event, SampledToken) else None
+                    yield sse({**meta, "choices": [_choice(delta, None, logprobs)]})
                     continue
-                yield sse({**meta, "choices": [_choice(text.flush(), "length")]})
+                yield sse({**meta, "choices": [_choice(text.finish(), _finish_reason(event))]})
                 if include_usage:
                     yield sse({**meta, "choices": [], "usage": _usage(prompt_tokens, len(event.output_ids))})
                 yield sse("[DONE]")
@@ -125,8 +184,12 @@ class CompletionsApi:
             await tokens.aclose()
 
 
-def _choice(text: str, finish_reason: str | None) -> dict:
-    return {"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}
+def _choice(text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def _finish_reason(result: Generated) -> str:
+    return result.finish_reason if isinstance(result, Completion) else "length"
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -56,10 +56,12 @@ def kv_cache_dtype(name: str, precision: str, activation_dtype: torch.dtype) -> 
 class PagedKVStore:
     """Chapter 4's pool, cut into blocks that sequences take one by one (a :class:`BlockManager` ledger).
 
-    ``close()`` gives the pool's range back to chapter 4's allocator.
+    ``prefix_caching``: the ledger keeps computed full blocks findable by their tokens (see
+    :mod:`~chapters.ch08_continuous_batching.block_manager`). ``close()`` gives the pool's range
+    back to chapter 4's allocator.
     """
 
-    def __init__(self, pool: KVMemoryPool) -> None:
+    def __init__(self, pool: KVMemoryPool, prefix_caching: bool = False) -> None:
         self.pool = pool
         self.config = pool.config
         self.block_tokens = pool.block_tokens
@@ -68,7 +70,7 @@ class PagedKVStore:
             lambda: pool.allocator.allocate(pool.allocator.total_blocks), lambda: None,
             "the paged store uses the pool without recording it in chapter 4's ledger")
         n_blocks = self._lease.n_blocks if self._lease is not None else pool.allocator.total_blocks
-        self.manager = BlockManager(n_blocks, pool.block_tokens)
+        self.manager = BlockManager(n_blocks, pool.block_tokens, prefix_caching=prefix_caching)
         self.first_block = self._lease.start if self._lease is not None else 0  # 0 in practice: the pool was empty
         self._first_slot = self.first_block * pool.block_tokens
 

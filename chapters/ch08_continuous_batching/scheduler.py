@@ -16,10 +16,15 @@ decides again before every model call (Orca's iteration-level scheduling):
    budget is left. A prompt longer than the budget left is prefilled in chunks over several steps
    (chunked prefill), so one long prompt never stops everybody's decode. Under ``reserve`` a sequence
    is admitted only if blocks for its prompt AND all its new tokens are free (it then never needs
-   another block, nothing is ever preempted); under ``grow`` only its first chunk's blocks.
+   another block, nothing is ever preempted); under ``grow`` only its first chunk's blocks. With
+   prefix caching on (the store's), a sequence starts with the cached full blocks of its tokens'
+   prefix (a shared system prompt, or its own blocks still cached after a preemption) and its
+   first chunk starts where they end: the budget pays only for what is computed.
 
-``update`` appends each sampled token (greedy), and a sequence that has its tokens is retired AT
-ONCE: its blocks go back to the free list before the next step is planned.
+``update`` appends each row's next token (greedy, or sampled as the sequence asked:
+:mod:`~chapters.ch08_continuous_batching.sampling`), and a sequence that has its tokens, or reached
+one of its stop strings, is retired AT ONCE: its blocks go back to the free list before the next
+step is planned.
 
 The plan is plain data (:class:`ContinuousStep`: decode rows, then prompt chunks); the model runner
 (:mod:`~chapters.ch08_continuous_batching.model_runner`) turns it into ONE packed forward pass.
@@ -38,12 +43,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+import torch
 from torch import Tensor
 
 from chapters.ch08_continuous_batching.block_manager import OutOfBlocks
 from chapters.ch08_continuous_batching.paged_cache import PagedKVStore
+from chapters.ch08_continuous_batching.sampling import GREEDY, SamplingParams, TokenLogprobs, sample_tokens
 
 KVPolicy = Literal["reserve", "grow"]
+
+
+class StopCondition(Protocol):
+    """Ends a sequence before its ``max_new_tokens`` (``stop_strings.StopStrings``: a stop string in its text)."""
+
+    def reached(self, output_ids: list[int]) -> bool: ...
 
 
 class Status(enum.Enum):
@@ -62,6 +75,8 @@ class Sequence:
 
     ``token_ids`` is the prompt followed by every token generated so far; ``num_computed`` counts
     the leading positions whose keys and values are in the cache (0 again after a preemption).
+    ``sampling`` says how its tokens are picked (greedy by default), ``stop`` may end it early;
+    ``finish_reason`` is then "stop", else "length" once it has ``max_new_tokens``.
     """
 
     prompt_ids: list[int]
@@ -76,11 +91,17 @@ class Sequence:
     first_token_at: float | None = None
     finished_at: float | None = None
     listener_data: object = None  # whatever the listener attaches (the engine: the request's stream)
+    sampling: SamplingParams = GREEDY
+    stop: StopCondition | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token when sampling.logprobs is set
+    generator: torch.Generator | None = field(init=False, repr=False)  # its own random stream: batching never shifts it
 
     def __post_init__(self) -> None:
         if not self.prompt_ids or self.max_new_tokens < 1:
             raise ValueError("a sequence needs at least one prompt token and one new token")
         self.token_ids = list(self.prompt_ids)
+        self.generator = self.sampling.generator()
 
     @property
     def output_ids(self) -> list[int]:
@@ -92,7 +113,7 @@ class Sequence:
 
     @property
     def done(self) -> bool:
-        return self.num_generated >= self.max_new_tokens
+        return self.finish_reason is not None
 
     @property
     def peak_kv_tokens(self) -> int:
@@ -336,14 +357,16 @@ class ContinuousScheduler:
         # EXERCISE ch08.2 BEGIN "admission under max_num_seqs and the token budget, chunking long prompts"
         while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             seq = self.waiting[0]
-            chunk = min(len(seq.token_ids) - seq.num_computed, budget)  # all of it: new, or preempted (0 computed)
+            cached = self.manager.cached_prefix(seq.token_ids)  # full blocks already computed (prefix caching; else none)
+            chunk = min(len(seq.token_ids) - cached.tokens, budget)  # the rest: new, or preempted (0 computed)
             # reserve: the whole life's blocks now, or not yet; grow: this chunk's blocks.
-            wanted = seq.peak_kv_tokens if self.config.kv_policy == "reserve" else seq.num_computed + chunk
+            wanted = seq.peak_kv_tokens if self.config.kv_policy == "reserve" else cached.tokens + chunk
             try:
-                self.manager.allocate(seq.seq_id, wanted)
+                self.manager.allocate(seq.seq_id, wanted, cached)
             except OutOfBlocks:
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
+            seq.num_computed = cached.tokens
             seq.status = Status.RUNNING
             self.running.append(seq)
             rows.append(ScheduledRow(seq, seq.num_computed, chunk))
@@ -355,7 +378,9 @@ class ContinuousScheduler:
 
     def update(self, step: ContinuousStep, logits: Tensor) -> None:
         """``logits``: one row per SAMPLING row of ``step``, in row order."""
-        next_ids = iter(logits.argmax(dim=-1).tolist())  # one device sync per step
+        sampling = [row.seq for row in step.rows if row.samples]
+        tokens, logprobs = sample_tokens(logits, [seq.sampling for seq in sampling], [seq.generator for seq in sampling])
+        next_ids, next_logprobs = iter(tokens), iter(logprobs)
         now = self.clock()
         s = self.stats
         s.steps += 1
@@ -366,15 +391,22 @@ class ContinuousScheduler:
             seq = row.seq
             samples = row.samples  # before the token is appended
             seq.num_computed = row.start + row.length
+            self.manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed)  # findable once computed
             if not samples:
                 continue  # a partial prompt chunk: no logits were computed for it
-            token = next(next_ids)
+            token, token_logprobs = next(next_ids), next(next_logprobs)
             seq.token_ids.append(token)
+            if token_logprobs is not None:
+                seq.logprobs.append(token_logprobs)
             self.stats.tokens_generated += 1
             if seq.first_token_at is None:
                 seq.first_token_at = now
             if self.listener is not None:
                 self.listener.on_token(seq, token)
+            if seq.stop is not None and seq.stop.reached(seq.output_ids):
+                seq.finish_reason = "stop"
+            elif seq.num_generated >= seq.max_new_tokens:
+                seq.finish_reason = "length"
             if seq.done:
                 self._retire(seq, now)
 
@@ -408,4 +440,5 @@ class ContinuousScheduler:
             "preemptions": s.preemptions,
             "finished": s.finished,
             "aborted": s.aborted,
+            "prefix_cache": m.describe_prefix_cache(),
         }

@@ -16,7 +16,9 @@ Keys and values live in fixed-size blocks of chapter 4's pool (sized by chapter 
 ``max_num_seqs`` sequences), one block table per sequence
 (:mod:`~chapters.ch08_continuous_batching.paged_cache`), allocated as the policy says:
 ``--kv-policy grow`` (block by block; preempt the newest sequence by recompute when none is free) or
-``reserve`` (the whole prompt + max_new_tokens at admission; never preempts).
+``reserve`` (the whole prompt + max_new_tokens at admission; never preempts). ``--prefix-caching on``
+(the default) keeps computed full blocks findable by their tokens, so a request that repeats a
+prefix (a system prompt, a document asked several questions) skips its pass over it.
 
 Each token is pushed to its request as soon as the step that made it ends: ``/v1/inference`` with
 ``"stream": true`` and ``/v1/completions`` with ``"stream": true`` send it as a server-sent event,
@@ -26,8 +28,11 @@ free before the next step is planned, and nobody else notices.
 
 Routes: chapter 7's (``/healthz``, ``/livez``, ``/readyz``, ``/stats``, ``/metrics``,
 ``/admin/models``), ``/v1/inference`` (chapter 2's, which streams because this backend can and the
-server is given a writer of server-sent events, :mod:`~chapters.ch08_continuous_batching.streaming`),
-plus ``/v1/completions`` and ``/v1/models`` (:mod:`~chapters.ch08_continuous_batching.openai_api`).
+server is given a writer of server-sent events, :mod:`~chapters.ch08_continuous_batching.streaming`,
+and samples because its contract takes the sampling fields,
+:mod:`~chapters.ch08_continuous_batching.sampled_contract`), plus ``/v1/completions`` and
+``/v1/models`` (:mod:`~chapters.ch08_continuous_batching.openai_api`: sampling, stop strings,
+log-probabilities).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import logging
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Literal
 
 from fastapi import FastAPI
 from pydantic import Field, model_validator
@@ -54,6 +60,7 @@ from chapters.ch08_continuous_batching.model_runner import ModelRunner, PackedMo
 from chapters.ch08_continuous_batching.openai_api import CompletionsApi
 from chapters.ch08_continuous_batching.paged_attention import ATTENTION_CHOICES, BACKENDS, choose_attention
 from chapters.ch08_continuous_batching.paged_cache import KV_CACHE_DTYPES, KV_CACHE_RULE, PagedKVStore, kv_cache_dtype
+from chapters.ch08_continuous_batching.sampled_contract import SAMPLED_CONTRACT
 from chapters.ch08_continuous_batching.scheduler import ContinuousScheduler, KVPolicy, SchedulerConfig
 from chapters.ch08_continuous_batching.streaming import write_sse_stream
 from shared.settings import ServerSettings, parse_settings
@@ -73,6 +80,8 @@ class SchedulerOptions(BaseSettings):
     kv_policy: KVPolicy = Field("grow", description="grow: blocks as needed, preempt by recompute | reserve: prompt + max_new at admission")
     attention: ATTENTION_CHOICES = Field("auto", description="paged attention backend: auto (measured, paged_attention.py) | gather | flex")
     kv_cache_dtype: KV_CACHE_DTYPES = Field("auto", description=f"dtype of the paged pool's keys and values: {KV_CACHE_RULE} | fp32 | bf16")
+    prefix_caching: Literal["on", "off"] = Field(
+        "on", description="on: a request reuses the cached KV blocks of a prefix already computed (full blocks, by their tokens) | off")
     max_queue: int = AdmissionOptions.model_fields["max_queue"]  # chapter 4's knob: one meaning everywhere
     served_model_name: str = Field("", description="the model's name in /v1/models and /v1/completions (empty: the weights' name)")
 
@@ -106,18 +115,18 @@ def build_backend(settings: ContinuousSettings, loaded: LoadedModel,
     kv_dtype = kv_cache_dtype(settings.kv_cache_dtype, step_engine.precision, step_engine.dtype)
     plan = plan_pool(settings, settings.max_num_seqs, loaded.config, kv_dtype, step_engine.device)  # chapter 4's rule
     pool = KVMemoryPool(loaded.config, plan.capacity_tokens, block_tokens=settings.block_tokens, device=step_engine.device, dtype=kv_dtype)
-    store = PagedKVStore(pool)
+    store = PagedKVStore(pool, prefix_caching=settings.prefix_caching == "on")
     dtype_name = str(kv_dtype).removeprefix("torch.")
     log.info(
-        "paged KV pool: %d blocks of %d tokens in %s, %.1f MiB on %s (%s), policy %s",
+        "paged KV pool: %d blocks of %d tokens in %s, %.1f MiB on %s (%s), policy %s, prefix caching %s",
         store.manager.total_blocks, store.block_tokens, dtype_name, pool.stats().bytes_total / 2**20, pool.device,
-        plan.rule, settings.kv_policy,
+        plan.rule, settings.kv_policy, settings.prefix_caching,
     )
     attention = or_meanwhile(lambda: choose_attention(settings.attention, store, model, settings.max_num_seqs),
                              lambda: BACKENDS["gather"](store), "attention is gather, not warmed up")
     scheduler = ContinuousScheduler(store, settings.scheduler_config())
     runner = ModelRunner(wrap_model(model) if wrap_model else model, store, attention)
-    description = {"model": loaded.source, "kv_policy": settings.kv_policy, "pool_rule": plan.rule,
+    description = {"model": loaded.source, "kv_policy": settings.kv_policy, "prefix_caching": settings.prefix_caching, "pool_rule": plan.rule,
                    "engine": step_engine.describe(), "attention": attention.name, "kv_cache_dtype": dtype_name}
     return ContinuousBackend(StepThread(runner, scheduler), settings.max_queue, description)
 
@@ -126,7 +135,7 @@ def build_app(settings: ContinuousSettings, wrap_model: Callable[[PackedModel], 
     """Chapter 7's production shell around the continuous backend, plus its metrics, streaming and the OpenAI routes."""
     app = build_production_app(settings, backend_factory=partial(build_backend, wrap_model=wrap_model),
                                read_state=continuous_state, title="ch08 continuous batching", chapter="ch08",
-                               stream_writer=write_sse_stream)
+                               stream_writer=write_sse_stream, contract=SAMPLED_CONTRACT)
     versions = app.state.registry.versions
     app.state.metrics_registry.register(ContinuousCollector(
         lambda: [(v.name, v.backend) for v in list(versions.values()) if v.backend is not None]))

@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 
 from chapters.ch08_continuous_batching.model_runner import ModelRunner
+from chapters.ch08_continuous_batching.sampling import TokenLogprobs
 from chapters.ch08_continuous_batching.scheduler import ContinuousScheduler, Sequence
 from shared.schemas import ApiError
 
@@ -36,11 +37,28 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Finished:
-    """The end of a stream: the whole output and its timings, or the error that ended it."""
+    """The end of a stream: the whole output, its timings and why it ended, or the error that ended it."""
 
     output_ids: list[int]
     timings_ms: dict[str, float]
     error: ApiError | None = None
+    finish_reason: str | None = None  # "stop" (a stop string) or "length"; None when an error ended it
+    logprobs: list[TokenLogprobs] | None = None  # one per output token, when the request asked
+
+
+class SampledToken(int):
+    """A token id that also carries its log-probabilities (a request that asked for them).
+
+    It is an ``int``, so every reader of a token stream (chapter 2's protocol, chapter 7's shell)
+    takes it as the id it is; chapter 8's OpenAI route reads :attr:`logprobs` from it.
+    """
+
+    logprobs: TokenLogprobs
+
+    def __new__(cls, token: int, logprobs: TokenLogprobs) -> SampledToken:
+        made = super().__new__(cls, token)
+        made.logprobs = logprobs
+        return made
 
 
 class RequestStream:
@@ -75,10 +93,13 @@ class _StepListener:
         self.finished: dict[Sequence, Finished] = {}
 
     def on_token(self, seq: Sequence, token: int) -> None:
+        if seq.sampling.logprobs is not None:
+            token = SampledToken(token, seq.logprobs[-1])
         self.tokens.setdefault(seq, []).append(token)
 
     def on_finished(self, seq: Sequence) -> None:
-        self.finished[seq] = Finished(seq.output_ids, seq.timings_ms())
+        self.finished[seq] = Finished(seq.output_ids, seq.timings_ms(), finish_reason=seq.finish_reason,
+                                      logprobs=list(seq.logprobs) if seq.sampling.logprobs is not None else None)
 
     def end(self, seq: Sequence, error: ApiError) -> None:
         self.finished[seq] = Finished(seq.output_ids, seq.timings_ms(), error)
