@@ -34,7 +34,7 @@ defaults and shares every core with the client. The JSON records which (``harnes
 
 ``--variant LABEL=CHAPTER:FLAGS`` adds a chapter run with flags of its own under its own label (after
 ``--server-args``, so its flags win), to compare settings of one chapter; ``--rounds N`` runs every
-server N times, alternating, and keeps each one's median-QPS round (every round under its ``rounds``), as
+server N times, round by round (in reverse order every other round), and keeps each one's median-QPS round (every round under its ``rounds``), as
 the climb's repeats do. Chapter 8 with prefix caching on and off, one file per workload
 (``shared-prefix``, then ``default`` and ``mixed``, where caching should cost nothing), read by the
 README block ``ch08-prefix-caching``:
@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
     compare.add_argument("--chapters", nargs="+", default=None, help="chapters at their defaults (ch06 ch08 when no --variant)")
     compare.add_argument("--variant", type=parse_variant, action="append", default=[], metavar="LABEL=CHAPTER[:FLAGS]",
                          help="a chapter with flags of its own, e.g. caching-off=ch08:--prefix-caching=off (repeatable)")
-    compare.add_argument("--rounds", type=int, default=1, help="run every server this many times, alternating")
+    compare.add_argument("--rounds", type=int, default=1, help="run every server this many times, round by round (reversed every other round)")
     compare.add_argument("--server-args", default="", help="extra flags for every server")
     compare.add_argument("--profile", choices=("cpu",), default=None,
                          help="run every server as the climb's profile does (flags, threads, pinned cores)")
@@ -377,8 +377,9 @@ def main(argv: list[str] | None = None) -> None:
         result = compare_document(args.workload, args.users, args.duration_s, {}, "python -m benchmarks.streaming " + shlex.join(argv),
                                   args.server_args, harness, plan, args.rounds)
         runs: dict[str, list[dict[str, Any]]] = {variant.label: [] for variant in plan}
-        for _ in range(args.rounds):  # every server once per round, so slow drift of a shared machine hits them all
-            for variant in plan:
+        for index in range(args.rounds):  # every server once per round, so slow drift of a shared machine hits them all
+            # and in reverse order every other round, so that going first or last is not one server's lot
+            for variant in plan if index % 2 == 0 else plan[::-1]:
                 flags = [*profile_args, *args.server_args.split(), *variant.flags]
                 with running_module(modules[variant.label], flags, name=variant.label, env=server_env,
                                     cpu_cores=harness["server_cores"]) as server:

@@ -173,7 +173,7 @@ def test_compare_refuses_bad_variants_before_starting_any_server(argv, monkeypat
 
 
 def test_compare_runs_the_variants_round_by_round_and_keeps_each_ones_median(monkeypatch, tmp_path: Path, capsys):
-    started, qps = [], iter([5.0, 1.0, 7.0, 2.0, 6.0, 3.0])  # on, off, on, off, on, off
+    started, qps = [], iter([5.0, 1.0, 2.0, 7.0, 6.0, 3.0])  # on, off, then off, on (reversed), then on, off
 
     @contextlib.contextmanager
     def fake_server(module, args, *, name, env, cpu_cores):
@@ -192,7 +192,7 @@ def test_compare_runs_the_variants_round_by_round_and_keeps_each_ones_median(mon
             "--server-args", "--log-level warning", "--workload", "shared-prefix", "--rounds", "3", "--out", str(out)]
     streaming.main(argv)
     capsys.readouterr()
-    assert [name for _, name, _ in started] == ["caching-on", "caching-off"] * 3
+    assert [name for _, name, _ in started] == ["caching-on", "caching-off", "caching-off", "caching-on", "caching-on", "caching-off"]
     assert {module for module, _, _ in started} == {"chapters.ch08_continuous_batching"}
     # the variant's own flags come last, so they win over --server-args
     assert started[1][2] == ["--log-level", "warning", "--prefix-caching", "off"]
