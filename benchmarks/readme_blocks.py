@@ -214,7 +214,7 @@ def streaming_block(directory: Path) -> str:
     for path in files:
         run = json.loads(path.read_text())
         commands.append(f"`{run['command']}`")
-        settings.add(describe_harness(run.get("harness")))
+        settings.add(describe_harness(run.get("harness")) + (f", every server with `{run['server_args']}`" if run.get("server_args") else ""))
         for chapter, figures in run["chapters"].items():
             errors = sum(figures["errors"].values())
             lines.append(
@@ -266,7 +266,7 @@ def prefix_caching_block(directory: Path) -> str:
     for workload in order:
         run = json.loads(found[workload].read_text())
         commands.append(f"`{run['command']}`")
-        settings.add(describe_harness(run.get("harness")))
+        settings.add(describe_harness(run.get("harness")) + (f", every server with `{run['server_args']}`" if run.get("server_args") else ""))
         rounds = run.get("rounds", 1)
         how = f"median-QPS round of {rounds}" if rounds > 1 else "one round"
         lines = [f"**`{run['workload']}`**, {run['users']} streaming users for {run['duration_s']:g} s, {how}:", "",

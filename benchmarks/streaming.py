@@ -40,8 +40,9 @@ the climb's repeats do. Chapter 8 with prefix caching on and off, one file per w
 README block ``ch08-prefix-caching``:
 
     python -m benchmarks.streaming compare --profile cpu --variant caching-on=ch08:--prefix-caching=on \
-        --variant caching-off=ch08:--prefix-caching=off --workload shared-prefix --users 32 --duration-s 20 \
-        --rounds 3 --out benchmarks/reference/cpu/ch08/prefix-caching/shared-prefix.json
+        --variant caching-off=ch08:--prefix-caching=off --server-args '--precision=fp32 --attention=flex' \
+        --workload shared-prefix --users 32 --duration-s 20 --rounds 3 \
+        --out benchmarks/reference/cpu/ch08/prefix-caching/shared-prefix.json
 
 (the same with ``--workload default`` and ``--workload mixed``, each to its own ``<workload>.json``).
 """
@@ -91,12 +92,17 @@ WORKLOADS = {"mixed": mixed_body, "default": default_body, "shared-prefix": HARN
 PREFIX_CACHING_VARIANTS = {"caching-on": "--prefix-caching=on", "caching-off": "--prefix-caching=off"}
 PREFIX_CACHING_DIR = "ch08/prefix-caching"
 PREFIX_CACHING_WORKLOADS = ("shared-prefix", "default", "mixed")
+# Both variants run the same engine and attention: chapter 8's start-up rules measure and choose both
+# (chapter 5's bf16 crossover, flex against gather), and on a noisy machine two servers may choose apart,
+# which would be measured as a difference of caching.
+PREFIX_CACHING_PINNED = "--precision=fp32 --attention=flex"
 
 
 def prefix_caching_command(workload: str, results_dir: str = "benchmarks/reference/cpu") -> str:
     """The command that records chapter 8 with prefix caching on and off on ``workload`` (one file)."""
     variants = " ".join(f"--variant {label}=ch08:{flag}" for label, flag in PREFIX_CACHING_VARIANTS.items())
-    return (f"python -m benchmarks.streaming compare --profile cpu {variants} --workload {workload} --users 32 "
+    return (f"python -m benchmarks.streaming compare --profile cpu {variants} --server-args {shlex.quote(PREFIX_CACHING_PINNED)} "
+            f"--workload {workload} --users 32 "
             f"--duration-s 20 --rounds 3 --out {results_dir}/{PREFIX_CACHING_DIR}/{workload}.json")
 
 
@@ -136,14 +142,21 @@ def planned_variants(chapters: list[str] | None, variants: list[Variant]) -> lis
     return plan
 
 
-def server_prefix_cache(url: str) -> dict[str, Any] | None:
-    """The server's prefix-cache counters over its whole run (warm-up included), where its ``/stats`` has them (chapter 8's)."""
+def server_choices(url: str) -> dict[str, Any]:
+    """What the server says of itself in ``/stats`` at the end of a run: the prefix cache's counters (over its
+    whole run, warm-up included) and the engine and attention its start-up rules chose, where it has them
+    (chapter 8's); empty when it says nothing."""
     try:
         stats = httpx.get(f"{url}/stats", timeout=10).json()
     except (httpx.HTTPError, ValueError):
-        return None
-    scheduler = stats.get("scheduler") if isinstance(stats, dict) else None
-    return scheduler.get("prefix_cache") if isinstance(scheduler, dict) else None
+        return {}
+    if not isinstance(stats, dict):
+        return {}
+    scheduler, engine = stats.get("scheduler"), stats.get("engine")
+    chosen = {"prefix_cache": scheduler.get("prefix_cache") if isinstance(scheduler, dict) else None,
+              "attention": stats.get("attention"),
+              "engine": {k: engine.get(k) for k in ("engine", "precision", "dtype")} if isinstance(engine, dict) else None}
+    return {key: value for key, value in chosen.items() if value is not None}
 
 
 def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -384,9 +397,7 @@ def main(argv: list[str] | None = None) -> None:
                 with running_module(modules[variant.label], flags, name=variant.label, env=server_env,
                                     cpu_cores=harness["server_cores"]) as server:
                     record = {"streamed": variant.streams, **_run(args, server.url, variant.streams)}
-                    cache = server_prefix_cache(server.url)
-                    if cache is not None:
-                        record["prefix_cache"] = cache
+                    record.update(server_choices(server.url))
                     runs[variant.label].append(record)
         result["chapters"] = {label: median_round(rounds) for label, rounds in runs.items()}
     text = json.dumps(result, indent=2)

@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import json
 import random
+import shlex
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -186,7 +187,8 @@ def test_compare_runs_the_variants_round_by_round_and_keeps_each_ones_median(mon
     monkeypatch.setattr("benchmarks.server_process.running_module", fake_server)
     monkeypatch.setattr(streaming, "_run", fake_run)
     # what each server's /stats says of its prefix cache at the end of its run (caching-off: nothing looked up)
-    monkeypatch.setattr(streaming, "server_prefix_cache", lambda url: {"hit_rate": 0.9 if url.endswith("caching-on") else None})
+    monkeypatch.setattr(streaming, "server_choices",
+                        lambda url: {"prefix_cache": {"hit_rate": 0.9 if url.endswith("caching-on") else None}, "attention": "flex"})
     out = tmp_path / "shared-prefix.json"
     argv = ["compare", "--variant", "caching-on=ch08:--prefix-caching=on", "--variant", "caching-off=ch08:--prefix-caching off",
             "--server-args", "--log-level warning", "--workload", "shared-prefix", "--rounds", "3", "--out", str(out)]
@@ -205,6 +207,7 @@ def test_compare_runs_the_variants_round_by_round_and_keeps_each_ones_median(mon
     assert document["chapters"]["caching-on"]["streamed"] is True
     assert document["chapters"]["caching-on"]["prefix_cache"] == {"hit_rate": 0.9}  # the kept round's server
     assert document["chapters"]["caching-off"]["prefix_cache"] == {"hit_rate": None}
+    assert document["chapters"]["caching-off"]["attention"] == "flex"  # what its start-up rule chose, recorded
     assert document["command"].startswith("python -m benchmarks.streaming compare --variant caching-on=ch08:--prefix-caching=on")
     assert "'caching-off=ch08:--prefix-caching off'" in document["command"]  # quoted: it can be pasted back
 
@@ -212,7 +215,7 @@ def test_compare_runs_the_variants_round_by_round_and_keeps_each_ones_median(mon
 def test_the_documented_command_is_the_one_the_readme_block_gives():
     documented = " ".join(streaming.__doc__.replace("\\\n", " ").split())
     assert prefix_caching_command("shared-prefix") in documented
-    args = prefix_caching_command("mixed").split()[3:]  # what follows "python -m benchmarks.streaming"
+    args = shlex.split(prefix_caching_command("mixed"))[3:]  # what follows "python -m benchmarks.streaming"
     variants = [parse_variant(args[i + 1]) for i, arg in enumerate(args) if arg == "--variant"]
     assert {v.label: v.flags for v in variants} == {label: (flag,) for label, flag in PREFIX_CACHING_VARIANTS.items()}
     assert args[args.index("--out") + 1] == f"benchmarks/reference/cpu/{PREFIX_CACHING_DIR}/mixed.json"

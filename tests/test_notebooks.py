@@ -34,7 +34,7 @@ NO_DATA = "No data for this plot"
 # Notebooks whose data come from their own recorders, with the files each one reads (under the results dir).
 OWN_RECORDINGS = {
     "ch07_production": ("ch07/drain-timeline.json", "ch07/leak-leaky.json", "ch07/leak-fixed.json"),
-    "ch08_continuous_batching": ("streaming/mixed.json", "streaming/default.json"),
+    "ch08_continuous_batching": ("streaming/mixed.json", "streaming/default.json", "ch08/prefix-caching/shared-prefix.json"),
     "ch09_scale_out": ("ch09/failure-drill.json", "ch09/failure-drill-chapter-defaults.json", "ch09/autoscale-timeline.json",
                        "ch09/replicas-and-routers.json", "ch09/simulation.json"),
 }
