@@ -13,6 +13,11 @@ same loop greedy and at ``--temperature`` (default 1) one after the other, in al
 without a profiler; the JSON keeps every round's requests per second and median update phase:
 
     python -m benchmarks.profile_ch08 --sampling-rounds 5 --out benchmarks/reference/cpu/ch08/sampling.json
+
+``--prefix-caching-rounds N`` does the same for prefix caching on against off, where nothing repeats:
+
+    python -m benchmarks.profile_ch08 --prefix-caching-rounds 6 --attention flex --workload default \
+        > benchmarks/reference/cpu/ch08/prefix-caching/in-process-default.txt
 """
 
 from __future__ import annotations
@@ -75,11 +80,13 @@ class ClosedLoop:
         return finished, time.perf_counter() - started, list(self.engine.clock.recent)[-steps:]
 
 
-def closed_loop(attention: str, precision: str, workload: str, kv_cache: str = "auto", temperature: float = 0.0) -> ClosedLoop:
-    """The loop, warmed up (``WARM_UP_STEPS``); every run of it draws the same prompts."""
+def closed_loop(attention: str, precision: str, workload: str, kv_cache: str = "auto", temperature: float = 0.0,
+                prefix_caching: str | None = None) -> ClosedLoop:
+    """The loop, warmed up (``WARM_UP_STEPS``); every run of it draws the same prompts. ``prefix_caching``:
+    on or off (None: the server's default)."""
     torch.set_num_threads(1)
     loaded = load_model("default")
-    settings = ContinuousSettings()
+    settings = ContinuousSettings(**({"prefix_caching": prefix_caching} if prefix_caching else {}))
     step_engine = build_eager(loaded.model, precision)
     model = packed_model(step_engine)
     kv_dtype = kv_cache_dtype(kv_cache, step_engine.precision, step_engine.dtype)
@@ -130,6 +137,23 @@ def profile(steps: int, attention: str, precision: str, workload: str, kv_cache:
     return head + report.getvalue()
 
 
+def prefix_caching_rounds(rounds: int, steps: int, attention: str, precision: str, workload: str) -> str:
+    """Prefix caching on against off where no prompt repeats (its cost alone), in alternating order, no profiler."""
+    loops = {flag: closed_loop(attention, precision, workload, prefix_caching=flag) for flag in ("on", "off")}
+    lines = [f"prefix caching on against off, {loops['on'].label.rsplit(', ', 1)[0]}, {steps} steps a run:"]
+    ratios = []
+    for index in range(rounds):
+        order = ["on", "off"] if index % 2 == 0 else ["off", "on"]
+        rate = {}
+        for flag in order:
+            finished, elapsed, _ = loops[flag].timed(steps)
+            rate[flag] = finished / elapsed
+        ratios.append(rate["on"] / rate["off"])
+        lines.append(f"round {index + 1} ({order[0]} first): on {rate['on']:.1f} req/s, off {rate['off']:.1f} req/s, on/off {ratios[-1]:.3f}")
+    lines.append(f"median on/off {statistics.median(ratios):.3f}; the cache after it: {loops['on'].engine.scheduler.describe()['prefix_cache']}")
+    return "\n".join(lines)
+
+
 def sampling_rounds(rounds: int, steps: int, attention: str, precision: str, workload: str, temperature: float) -> dict:
     """Greedy against sampling at ``temperature``, the same loop, one after the other in alternating order."""
     loops = {"greedy": closed_loop(attention, precision, workload), "sampled": closed_loop(attention, precision, workload, temperature=temperature)}
@@ -159,7 +183,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--temperature", type=float, default=None, help="sample at this temperature (default: greedy; 1 with --sampling-rounds)")
     parser.add_argument("--sampling-rounds", type=int, default=0, help="measure greedy against sampling, this many interleaved rounds")
     parser.add_argument("--out", type=Path, default=None, help="with --sampling-rounds: write the JSON here")
+    parser.add_argument("--prefix-caching-rounds", type=int, default=0, help="measure prefix caching on against off, this many rounds")
     args = parser.parse_args(argv)
+    if args.prefix_caching_rounds:
+        print(prefix_caching_rounds(args.prefix_caching_rounds, args.steps, args.attention, args.precision, args.workload))
+        return
     if args.sampling_rounds:
         document = sampling_rounds(args.sampling_rounds, args.steps, args.attention, args.precision, args.workload,
                                    1.0 if args.temperature is None else args.temperature)
