@@ -292,7 +292,7 @@ def prefix_caching_block(directory: Path) -> str:
     suffixes = ", ".join(map(str, mix.suffix_lengths[:-1])) + f" or {mix.suffix_lengths[-1]}"
     notes = (f"`shared-prefix`: {mix.count} prefixes of {mix.length} ids, every request one of them followed by a suffix of "
              f"its own ({suffixes} ids), {shared.max_new_tokens} new tokens; `default` and `mixed` share nothing, so caching can only cost there. "
-             f"Chapter 8 with `{PREFIX_CACHING_VARIANTS[on]}` and with `{PREFIX_CACHING_VARIANTS[off]}`, interleaved round by round, the same "
+             f"Chapter 8 with `{PREFIX_CACHING_VARIANTS[on]}` and with `{PREFIX_CACHING_VARIANTS[off]}`, round by round and in reverse order every other round, the same "
              "users and prompts for both. Prompt tokens found cached: the server's `/stats` at the end of the kept round "
              "(`scheduler.prefix_cache.hit_rate`, over its whole run, warm-up included). How the servers ran: " + "; ".join(sorted(settings)) + ". Reproduce: "
              + "; ".join(commands) + ".")
