@@ -169,10 +169,8 @@ class CompletionsApi:
         try:
             async for event in tokens:
                 if not isinstance(event, Generated):
-                    before = list(text.ids)
-                    delta = text.add(event)
-                    logprobs = self._logprobs([int(event)], [event.logprobs], before=before) if isinstance(event, SampledToken) else None
-                    yield sse({**meta, "choices": [_choice(delta, None, logprobs)]})
+                    logprobs = self._logprobs([int(event)], [event.logprobs], before=text.ids) if isinstance(event, SampledToken) else None
+                    yield sse({**meta, "choices": [_choice(text.add(event), None, logprobs)]})
                     continue
                 yield sse({**meta, "choices": [_choice(text.finish(), _finish_reason(event))]})
                 if include_usage:
