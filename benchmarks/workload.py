@@ -28,9 +28,8 @@ class SharedPrefixes:
     every run, and every chapter compared, shares the same ones (as users of one service share its system
     prompt), so a cache of full prompt blocks can reuse them; a warm-up draws from the same prefixes, so
     a measured window starts with them cached (a running service's steady state). The suffixes come from
-    the user's stream, so
-    two requests share their prefix and nothing after it (a suffix of 8 random ids repeats with
-    probability 256^-8).
+    the user's stream, so two requests share their prefix and nothing after it (a suffix of 8 random ids
+    repeats with probability 256^-8).
     """
 
     count: int

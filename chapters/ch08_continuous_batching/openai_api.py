@@ -38,7 +38,7 @@ from chapters.ch08_continuous_batching.continuous_backend import Completion
 from chapters.ch08_continuous_batching.sampled_contract import SampledRequest
 from chapters.ch08_continuous_batching.sampling import MAX_LOGPROBS, MAX_TEMPERATURE, SamplingParams, TokenLogprobs
 from chapters.ch08_continuous_batching.step_thread import SampledToken
-from chapters.ch08_continuous_batching.stop_strings import MAX_STOPS, StopStrings, StopText, visible_text
+from chapters.ch08_continuous_batching.stop_strings import StopStrings, StopText, visible_text
 from chapters.ch08_continuous_batching.streaming import SSE_HEADERS, sse
 from shared.schemas import ApiError, ContractLimits, check_limits
 from shared.tokenizer import Tokenizer
@@ -116,9 +116,10 @@ class CompletionsApi:
         refused = request.unsupported()
         if refused is not None:
             raise ApiError(422, "invalid_request", refused)
-        stops = request.stops()
-        if stops and (len(stops) > MAX_STOPS or not all(stops)):
-            raise ApiError(422, "invalid_request", f"stop: 1 to {MAX_STOPS} non-empty strings, got {len(stops)}")
+        try:
+            stop = StopStrings(request.stops(), self.tokenizer) if request.stops() else None
+        except ValueError as exc:
+            raise ApiError(422, "invalid_request", f"stop: {exc}") from None
         if isinstance(request.prompt, str):
             try:
                 ids = self.tokenizer.encode(request.prompt)
@@ -129,7 +130,6 @@ class CompletionsApi:
         if not 1 <= request.max_tokens <= self.limits.max_new_tokens:
             raise ApiError(422, "invalid_request", f"max_tokens must be between 1 and {self.limits.max_new_tokens}, got {request.max_tokens}")
         checked = check_limits(ids, request.max_tokens, self.limits)
-        stop = StopStrings(stops, self.tokenizer) if stops else None
         return request, SampledRequest(checked, request.max_tokens, sampling=request.sampling(), stop=stop)
 
     async def completions(self, request: Request):
