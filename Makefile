@@ -11,11 +11,19 @@ PYTEST_ARGS ?=
 # Interleaved rounds of the climb; each chapter keeps its median run (a shared machine is noisy).
 REPEAT ?= 3
 
-.PHONY: setup climb test test-slow serve diff model bench reference ceiling notebooks student grade
+.PHONY: setup browser climb test test-slow serve diff model bench reference ceiling notebooks student grade
 
 setup:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install $(TORCH_SPEC)
 	$(PYTHON) -m pip install -q -e ".[dev]"
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || $(MAKE) --no-print-directory browser
+
+# The live page's browser test (tests/test_live_page.py) drives the distribution's Chromium; it needs
+# root and apt-get to install it here, and skips with the reason where it cannot (CI fails instead).
+browser:
+	@if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; \
+	else echo "chromium and chromedriver are missing and cannot be installed here (root and apt-get needed): the browser test will skip"; fi
 
 # The main job: every chapter under load, the table and the plots.
 climb: setup

@@ -547,7 +547,32 @@ def sampling_block(directory: Path) -> str:
             f"Reproduce: `{run['command']}`.")
 
 
+def live_page_cost_block(directory: Path, chapter: str) -> str:
+    """A chapter's throughput with the live page's stream open and without (``benchmarks.live_page_cost``,
+    ``<dir>/<chapter>/live-page-cost.json``): every round, the same server both ways."""
+    from benchmarks.streaming import describe_harness
+
+    path = directory / chapter / "live-page-cost.json"
+    if not path.exists():
+        return (f"*No measurement of the page's cost yet: `python -m benchmarks.live_page_cost --profile cpu --chapter {chapter} "
+                f"--out {_repo_path(path)}` records one.*")
+    run = json.loads(path.read_text())
+    lines = ["| round | unwatched (req/s) | watched (req/s) | watched / unwatched | events a viewer got | dropped for it |",
+             "|---|---|---|---|---|---|"]
+    for index, row in enumerate(run["rounds"], 1):
+        viewers = row["watched"].get("viewers", [])
+        events = sum(sum(v["events"].values()) for v in viewers)
+        dropped = sum(v["dropped_total"] for v in viewers)
+        lines.append(f"| {index} ({row['order'][0]} first) | {row['unwatched']['qps']:.1f} | {row['watched']['qps']:.1f} "
+                     f"| {row['ratio']:.3f}× | {events:,} | {dropped:,} |")
+    return ("\n".join(lines) + f"\n\nMedian ratio over the rounds: **{run['median_ratio']:.3f}×** ({run['users']} users, "
+            f"`{run['workload']}` workload, {run['duration_s']:.0f} s per run, {run['viewers']} viewer(s) reading every event; "
+            f"{describe_harness(run.get('harness'))}). Reproduce: `{run['command']}`.")
+
+
 def render_key(key: str, results: Mapping[str, BenchmarkResult], directory: Path, readme: Path, profile: str) -> str:
+    if key.endswith("-live-page-cost"):
+        return live_page_cost_block(directory, key.removesuffix("-live-page-cost"))
     if key == "ch09-simulation":
         return simulation_block(directory)
     if key == "ch09-ceiling":

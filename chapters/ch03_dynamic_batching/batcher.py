@@ -25,6 +25,10 @@ What a later chapter may plug in (chapter 4 does):
 - ``clock``: :class:`MonotonicClock` in production; tests pass a fake one to drive time by hand.
 - Admission control sits in front of :meth:`DynamicBatcher.submit`; :attr:`DynamicBatcher.queued`
   says how many requests are waiting.
+
+What it tells a watcher: :attr:`DynamicBatcher.events` (:mod:`~chapters.ch03_dynamic_batching.live_view`)
+gets one event per decision, for the live page: ``queue`` (a request arrived or left the queue),
+``batch`` (a batch left: its rows, and why it left then), ``done`` (its results are out).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from chapters.ch02_fastapi_async.api import DisconnectCheck
+from chapters.ch03_dynamic_batching.live_view import LiveEvents, server_time
 from shared.schemas import ApiError
 
 log = logging.getLogger(__name__)
@@ -127,8 +132,10 @@ class DynamicBatcher(Generic[RequestT, ResultT]):
         *,
         clock: Clock | None = None,
         executor: Executor | None = None,
+        describe_row: Callable[[RequestT], tuple[int, int]] | None = None,
     ) -> None:
         self.config = config
+        self._describe_row = describe_row  # (prompt length, new tokens) of a request, for the live page
         self._run_batch = run_batch
         self._clock = clock or MonotonicClock()
         self._owns_executor = executor is None
@@ -141,6 +148,7 @@ class DynamicBatcher(Generic[RequestT, ResultT]):
         self._collector: asyncio.Task[None] | None = None
         self._closing = False
         self.stats = BatcherStats()
+        self.events = LiveEvents(hello=lambda: {"kind": "batcher", **self.describe()})
 
     # ------------------------------------------------------------------ the request side
 
@@ -158,6 +166,8 @@ class DynamicBatcher(Generic[RequestT, ResultT]):
         future: asyncio.Future[ResultT] = asyncio.get_running_loop().create_future()
         self._queue.append(_Waiting(request, future, self._clock.now(), is_disconnected))
         self._arrival.set()
+        if self.events.watched:
+            self._publish_queue()
         return future
 
     async def submit(self, request: RequestT, is_disconnected: DisconnectCheck | None = None) -> ResultT:
@@ -175,6 +185,8 @@ class DynamicBatcher(Generic[RequestT, ResultT]):
         for waiting in self._queue:
             if waiting.future is future:
                 self._queue.remove(waiting)
+                if self.events.watched:
+                    self._publish_queue()
                 return
 
     # ------------------------------------------------------------------ the collector
@@ -197,10 +209,13 @@ class DynamicBatcher(Generic[RequestT, ResultT]):
         try:
             while await self._wait_for_first_arrival():
                 await self._wait_for_trigger()
+                why = self._why_now()
                 await self._wait_for_device()
                 batch = await self._take_batch()
                 if batch:
                     self._device_free.clear()
+                    if self.events.watched:
+                        self._publish_batch(batch, why)
                     self._in_flight = asyncio.create_task(self._compute(batch))
             await self._wait_for_device()
         except BaseException as exc:
@@ -240,6 +255,12 @@ class DynamicBatcher(Generic[RequestT, ResultT]):
     def window_s(self) -> float:
         """How long the batch being formed may wait for company: fixed here; chapter 6 adapts it."""
         return self.config.window_s
+
+    def _why_now(self) -> str:
+        """Why the trigger fired: the page's label for the batch that leaves next."""
+        if self._closing:
+            return "draining"
+        return "min_batch" if len(self._queue) >= self.config.min_batch else "window"
 
     async def _wait_for_device(self) -> None:
         """While the previous batch computes, the queue keeps filling; the next batch is taken after."""
@@ -285,12 +306,15 @@ class DynamicBatcher(Generic[RequestT, ResultT]):
         requests = [waiting.request for waiting in batch]
         loop = asyncio.get_running_loop()
         self._record(len(batch))
+        started = self._clock.now()
+        failed = False
         try:
             results = await loop.run_in_executor(self._executor, self._run_batch, requests)
             if len(results) != len(batch):
                 raise RuntimeError(f"the batch runner returned {len(results)} results for {len(batch)} requests")
         except Exception as exc:  # never re-raised: nobody awaits this task, its requests hear of it
             self.stats.failed_batches += 1
+            failed = True
             log.exception("a batch of %d requests failed", len(batch))
             message = f"the batch of {len(batch)} requests failed: {type(exc).__name__}: {exc}"
             for waiting in batch:
@@ -302,12 +326,42 @@ class DynamicBatcher(Generic[RequestT, ResultT]):
                     waiting.future.set_result(result)
         finally:
             self._device_free.set()
+            if self.events.watched:
+                self._publish_done(batch, started, failed)
 
     def _record(self, size: int) -> None:
         self.stats.batches += 1
         self.stats.requests += size
         self.stats.largest_batch = max(self.stats.largest_batch, size)
         self.stats.batch_sizes[size] += 1
+
+    # ------------------------------------------------------------------ the live page's events
+
+    def _publish_queue(self) -> None:
+        now = self._clock.now()
+        self.events.publish("queue", {
+            "t": server_time(), "queued": len(self._queue), "window_ms": self.window_s() * 1e3,
+            "oldest_waited_ms": (now - self._queue[0].arrived) * 1e3 if self._queue else 0.0,
+        })
+
+    def _publish_batch(self, batch: list[_Waiting[RequestT, ResultT]], why: str) -> None:
+        now = self._clock.now()
+        self.events.publish("batch", {
+            "t": server_time(), "batch": self.stats.batches + 1, "size": len(batch), "why": why,
+            "full": len(batch) == self.config.max_batch, "max_batch": self.config.max_batch,
+            "window_ms": self.window_s() * 1e3, "waited_ms": (now - batch[0].arrived) * 1e3, "queued": len(self._queue),
+            "oldest_waited_ms": (now - self._queue[0].arrived) * 1e3 if self._queue else 0.0,
+            "rows": [self._describe_row(w.request) for w in batch] if self._describe_row else [],
+        })
+
+    def _publish_done(self, batch: list[_Waiting[RequestT, ResultT]], started: float, failed: bool) -> None:
+        now = self._clock.now()
+        self.events.publish("done", {
+            "t": server_time(), "batch": self.stats.batches, "size": len(batch), "failed": failed,
+            "compute_ms": (now - started) * 1e3, "latencies_ms": [(now - w.arrived) * 1e3 for w in batch],
+            "batches": self.stats.batches, "requests": self.stats.requests, "failed_batches": self.stats.failed_batches,
+            "largest_batch": self.stats.largest_batch, "queued": len(self._queue),
+        })
 
     def describe(self) -> dict:
         """Configuration and counters, for ``/healthz``."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import time
 
-import uvicorn
 from fastapi import FastAPI
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings
@@ -23,6 +22,7 @@ from pydantic_settings import BaseSettings
 from chapters.ch02_fastapi_async.api import DisconnectCheck, Generated, create_app
 from chapters.ch03_dynamic_batching.batched_generation import Prefill, generate_batch
 from chapters.ch03_dynamic_batching.batcher import BatcherConfig, BatchRunner, DynamicBatcher
+from chapters.ch03_dynamic_batching.live_view import LiveView, request_row, serve
 from shared.devices import choose_device, set_threads
 from shared.model import StepModel
 from shared.schemas import ValidRequest
@@ -101,21 +101,23 @@ def build_app(settings: BatchingSettings, run_batch: BatchRunner[ValidRequest, G
     loaded = load_model(settings.weights, settings.preset, choose_device(settings.device), settings.torch_dtype)
     # The batcher owns the one inference thread (chapter 2's ThreadPoolExecutor(1)) and feeds it batches.
     batcher = DynamicBatcher(
-        run_batch or GreedyBatchRunner(loaded.model, loaded.tokenizer.pad_id, settings.prefill), settings.batcher_config()
+        run_batch or GreedyBatchRunner(loaded.model, loaded.tokenizer.pad_id, settings.prefill), settings.batcher_config(),
+        describe_row=request_row,
     )
     backend = BatchedBackend(batcher, {"chapter": "ch03", "model": loaded.source, "prefill": settings.prefill})
-    return create_app(
+    app = create_app(
         title="ch03 dynamic batching",
         limits=settings.limits(loaded.config.vocab_size, loaded.config.n_ctx),
         tokenizer=loaded.tokenizer,
         backend=backend,
     )
+    LiveView(lambda: batcher.events).register(app)  # /ui/: the batcher's decisions, live
+    return app
 
 
 def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(BatchingSettings, argv, prog="python -m chapters.ch03_dynamic_batching")
-    app = build_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
+    serve(build_app(settings), settings)
 
 
 if __name__ == "__main__":

@@ -24,12 +24,12 @@ import logging
 from dataclasses import dataclass
 
 import torch
-import uvicorn
 from fastapi import FastAPI
 from pydantic import Field
 from pydantic_settings import BaseSettings
 
 from chapters.ch02_fastapi_async.api import Generated, create_app
+from chapters.ch03_dynamic_batching.live_view import LiveView, request_row, serve
 from chapters.ch03_dynamic_batching.batcher import BatchRunner, DynamicBatcher
 from chapters.ch03_dynamic_batching.server import BatcherOptions
 from chapters.ch04_memory_pool.admission import AdmissionConfig, AdmissionController
@@ -126,18 +126,20 @@ def build_app(settings: PoolSettings, run_batch: BatchRunner[ValidRequest, Gener
     loaded = load_model(settings.weights, settings.preset, choose_device(settings.device), settings.torch_dtype)
     pool = build_pool(settings, settings.max_concurrency, loaded.config, loaded.model.dtype, loaded.model.device)
     runner = PooledBatchRunner(loaded.model, pool, loaded.tokenizer.pad_id, settings.prefill)
-    batcher = DynamicBatcher(run_batch or runner, settings.batcher_config())
+    batcher = DynamicBatcher(run_batch or runner, settings.batcher_config(), describe_row=request_row)
     backend = PooledBackend(
         batcher, runner, admission_for(settings, batcher, pool),
         CpuFallback(loaded.model, settings.fallback_slots) if settings.fallback_slots else None,
         {"chapter": "ch04", "model": loaded.source, "prefill": settings.prefill},
     )
-    return create_app(
+    app = create_app(
         title="ch04 memory pool",
         limits=settings.limits(loaded.config.vocab_size, loaded.config.n_ctx),
         tokenizer=loaded.tokenizer,
         backend=backend,
     )
+    LiveView(lambda: batcher.events).register(app)
+    return app
 
 
 def build_pool(settings: PoolOptions, concurrency: int, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> KVMemoryPool:
@@ -165,8 +167,7 @@ def admission_for(settings: AdmissionOptions, batcher: DynamicBatcher, pool: KVM
 def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(PoolSettings, argv, prog="python -m chapters.ch04_memory_pool")
     logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
-    app = build_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
+    serve(build_app(settings), settings)
 
 
 if __name__ == "__main__":

@@ -20,12 +20,12 @@ from __future__ import annotations
 import logging
 from typing import Literal
 
-import uvicorn
 from fastapi import FastAPI
 from pydantic import Field
 from pydantic_settings import BaseSettings
 
 from chapters.ch02_fastapi_async.api import create_app
+from chapters.ch03_dynamic_batching.live_view import LiveView, request_row, serve
 from chapters.ch03_dynamic_batching.batcher import DynamicBatcher
 from chapters.ch04_memory_pool.pooled_backend import CpuFallback, PooledBackend, PooledBatchRunner
 from chapters.ch03_dynamic_batching.server import BatcherOptions
@@ -74,25 +74,26 @@ def build_app(settings: EngineSettings) -> FastAPI:
     engine = engine_for(settings, loaded)
     pool = build_pool(settings, settings.max_concurrency, loaded.config, engine.dtype, engine.device)
     runner = PooledBatchRunner(engine, pool, loaded.tokenizer.pad_id, settings.prefill)
-    batcher = DynamicBatcher(runner, settings.batcher_config())
+    batcher = DynamicBatcher(runner, settings.batcher_config(), describe_row=request_row)
     backend = PooledBackend(
         batcher, runner, admission_for(settings, batcher, pool),
         CpuFallback(loaded.model, settings.fallback_slots) if settings.fallback_slots else None,
         {"chapter": "ch05", "model": loaded.source, "prefill": settings.prefill, "engine": engine.describe()},
     )
-    return create_app(
+    app = create_app(
         title="ch05 inference engine",
         limits=settings.limits(loaded.config.vocab_size, loaded.config.n_ctx),
         tokenizer=loaded.tokenizer,
         backend=backend,
     )
+    LiveView(lambda: batcher.events).register(app)
+    return app
 
 
 def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(EngineSettings, argv, prog="python -m chapters.ch05_inference_engine")
     logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
-    app = build_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
+    serve(build_app(settings), settings)
 
 
 if __name__ == "__main__":

@@ -16,12 +16,12 @@ import logging
 from pathlib import Path
 from typing import TypeVar
 
-import uvicorn
 from fastapi import FastAPI
 from pydantic import Field
 
 from chapters.ch02_fastapi_async.api import create_app
 from chapters.ch04_memory_pool.pooled_backend import CpuFallback, PooledBackend, PooledBatchRunner
+from chapters.ch03_dynamic_batching.live_view import LiveView, request_row, serve
 from chapters.ch03_dynamic_batching.server import BatcherOptions
 from chapters.ch04_memory_pool.server import AdmissionOptions, PoolOptions, admission_for, build_pool
 from chapters.ch05_inference_engine.server import EngineOptions, engine_for
@@ -77,7 +77,7 @@ def build_backend(settings: TunedSettings, loaded: LoadedModel) -> PooledBackend
     engine = engine_for(settings, loaded)
     pool = build_pool(settings, settings.max_concurrency, loaded.config, engine.dtype, engine.device)
     runner = PooledBatchRunner(engine, pool, loaded.tokenizer.pad_id, settings.prefill)
-    batcher = AdaptiveBatcher(runner, settings.batcher_config(), min_window_s=settings.min_window_ms / 1e3)
+    batcher = AdaptiveBatcher(runner, settings.batcher_config(), min_window_s=settings.min_window_ms / 1e3, describe_row=request_row)
     return PooledBackend(
         batcher, runner, admission_for(settings, batcher, pool),
         CpuFallback(loaded.model, settings.fallback_slots) if settings.fallback_slots else None,
@@ -88,12 +88,15 @@ def build_backend(settings: TunedSettings, loaded: LoadedModel) -> PooledBackend
 def build_app(settings: TunedSettings) -> FastAPI:
     set_threads(settings.torch_threads)
     loaded = load_model(settings.weights, settings.preset, choose_device(settings.device), settings.torch_dtype)
-    return create_app(
+    backend = build_backend(settings, loaded)
+    app = create_app(
         title="ch06 tuned batching",
         limits=settings.limits(loaded.config.vocab_size, loaded.config.n_ctx),
         tokenizer=loaded.tokenizer,
-        backend=build_backend(settings, loaded),
+        backend=backend,
     )
+    LiveView(lambda: backend.batcher.events).register(app)
+    return app
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -102,8 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     log.info("batcher: max_batch %d, min_batch %d, window %.1f ms (min %.1f ms), from %s",
              settings.max_batch, settings.min_batch, settings.window_ms, settings.min_window_ms, settings.tuned_config)
-    app = build_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
+    serve(build_app(settings), settings)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from types import FrameType
 
 import uvicorn
 
+from chapters.ch03_dynamic_batching.live_view import LiveView, LiveViewServer
 from shared.schemas import ApiError
 
 log = logging.getLogger("chapters.ch07_production.drain")
@@ -78,11 +79,11 @@ class DrainController:
         # EXERCISE ch07.2 END
 
 
-class DrainingServer(uvicorn.Server):
-    """A uvicorn server whose first SIGTERM/SIGINT drains through ``controller`` before exiting."""
+class DrainingServer(LiveViewServer):
+    """A uvicorn server (chapter 3's, with its live page) whose first SIGTERM/SIGINT drains through ``controller`` before exiting."""
 
-    def __init__(self, config: uvicorn.Config, controller: DrainController) -> None:
-        super().__init__(config)
+    def __init__(self, config: uvicorn.Config, controller: DrainController, live_view: LiveView | None = None) -> None:
+        super().__init__(config, live_view)
         self.controller = controller
         self.drain_report: DrainReport | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

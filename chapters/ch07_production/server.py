@@ -31,6 +31,7 @@ import logging
 import time
 import tracemalloc
 import weakref
+from pathlib import Path
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import ExitStack
 from typing import Any, Literal
@@ -52,6 +53,7 @@ from chapters.ch02_fastapi_async.api import (
     StreamWriter,
     create_app,
 )
+from chapters.ch03_dynamic_batching.live_view import PAGE_DIR, LiveEvents, LiveView
 from chapters.ch04_memory_pool.server import AdmissionOptions, PoolOptions
 from chapters.ch05_inference_engine.server import EngineOptions
 from chapters.ch06_tuned_batching.server import TunedBatcherOptions, apply_tuned_config, build_backend
@@ -72,6 +74,12 @@ log = logging.getLogger("chapters.ch07_production")
 # Builds one version's backend from the server's settings and its loaded model; chapter 7 passes
 # chapter 6's build_backend, chapter 8 its continuous backend, tests one with a slow or failing model.
 BackendFactory = Callable[[Any, LoadedModel], Backend]
+# What the live page (chapter 3's /ui/) watches in a backend: chapter 6's batcher here, chapter 8's step thread.
+EventsReader = Callable[[Any], LiveEvents]
+
+
+def batcher_events(backend: Any) -> LiveEvents:
+    return backend.batcher.events
 
 
 class ProductionOptions(BaseSettings):
@@ -282,14 +290,16 @@ def build_version(settings: ServerSettings, name: str, weights: str, seed: int, 
 def build_app(settings: ProductionSettings, backend_factory: BackendFactory = build_backend,
               probe: Callable[[], Awaitable[None]] | None = None, read_state: StateReader = pooled_state,
               title: str = "ch07 production", chapter: str = "ch07", stream_writer: StreamWriter | None = None,
-              contract: RequestContract = INFERENCE_CONTRACT) -> FastAPI:
+              contract: RequestContract = INFERENCE_CONTRACT, read_events: EventsReader = batcher_events,
+              pages: tuple[Path, ...] = (PAGE_DIR,)) -> FastAPI:
     """The server: the production shell around the backends ``backend_factory`` builds, one per model version.
 
     ``settings`` needs chapter 2's knobs and :class:`ProductionOptions` (and whatever the factory
     reads); ``read_state`` turns a backend into the numbers ``/metrics`` reports; ``probe`` replaces
     the readiness probe (a real request through the newest version's backend); ``stream_writer``
     (chapter 2's :func:`create_app`) serves ``"stream": true`` when the factory's backends stream;
-    ``contract`` is what ``/v1/inference`` accepts (chapter 2's).
+    ``contract`` is what ``/v1/inference`` accepts (chapter 2's); ``read_events`` finds what chapter
+    3's live page (``/ui/``, its files searched in ``pages``) watches in the newest version's backend.
     """
     set_threads(settings.torch_threads)
     if settings.memory_snapshots and not tracemalloc.is_tracing():
@@ -324,6 +334,7 @@ def build_app(settings: ProductionSettings, backend_factory: BackendFactory = bu
     app.state.registry = registry
     app.state.metrics_registry = metrics_registry
     app.state.limits, app.state.tokenizer, app.state.first_source = limits, first.loaded.tokenizer, first.source
+    LiveView(lambda: read_events(newest_backend()), pages).register(app)
 
     @app.get("/livez")
     async def livez() -> dict:
@@ -384,7 +395,7 @@ def serve(app: FastAPI, settings: ServerSettings) -> None:
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             access_log=False, log_config=None, timeout_graceful_shutdown=5,
                             timeout_keep_alive=settings.keep_alive_s)
-    server = DrainingServer(config, app.state.drain)
+    server = DrainingServer(config, app.state.drain, app.state.live_view)
     server.run()
     if server.drain_report is not None and server.drain_report.cut_off:
         log.warning("exited with %d requests cut off by the drain timeout", server.drain_report.cut_off)

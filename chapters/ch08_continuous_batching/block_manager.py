@@ -132,6 +132,10 @@ class BlockManager:
         """Blocks that have an identity (held or free)."""
         return len(self._block_of_hash)
 
+    def identified_blocks(self) -> list[int]:
+        """The blocks that have an identity (prefix caching), held or free: the live page marks them."""
+        return list(self._block_of_hash.values())
+
     def blocks_for(self, n_tokens: int) -> int:
         """Blocks that hold ``n_tokens`` token slots."""
         return math.ceil(n_tokens / self.block_tokens)

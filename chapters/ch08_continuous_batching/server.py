@@ -27,7 +27,8 @@ that goes away or a request past its deadline (504) is aborted between two steps
 free before the next step is planned, and nobody else notices.
 
 Routes: chapter 7's (``/healthz``, ``/livez``, ``/readyz``, ``/stats``, ``/metrics``,
-``/admin/models``), ``/v1/inference`` (chapter 2's, which streams because this backend can and the
+``/admin/models``, and chapter 3's live page ``/ui/``, which here draws the steps:
+:mod:`~chapters.ch08_continuous_batching.live_steps`), ``/v1/inference`` (chapter 2's, which streams because this backend can and the
 server is given a writer of server-sent events, :mod:`~chapters.ch08_continuous_batching.streaming`,
 and samples because its contract takes the sampling fields,
 :mod:`~chapters.ch08_continuous_batching.sampled_contract`), plus ``/v1/completions`` and
@@ -47,6 +48,7 @@ from fastapi import FastAPI
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings
 
+from chapters.ch03_dynamic_batching.live_view import PAGE_DIR
 from chapters.ch04_memory_pool.memory_pool import KVMemoryPool
 from chapters.ch04_memory_pool.server import AdmissionOptions, PoolOptions, plan_pool
 from chapters.ch05_inference_engine.server import EngineOptions, engine_for
@@ -68,6 +70,7 @@ from shared.unwritten import or_meanwhile
 from shared.weights import LoadedModel
 
 log = logging.getLogger("chapters.ch08_continuous_batching")
+STEPS_PAGE_DIR = Path(__file__).parent / "ui"  # chapter 3's live page, drawing steps instead of batches
 
 
 class SchedulerOptions(BaseSettings):
@@ -135,7 +138,8 @@ def build_app(settings: ContinuousSettings, wrap_model: Callable[[PackedModel], 
     """Chapter 7's production shell around the continuous backend, plus its metrics, streaming and the OpenAI routes."""
     app = build_production_app(settings, backend_factory=partial(build_backend, wrap_model=wrap_model),
                                read_state=continuous_state, title="ch08 continuous batching", chapter="ch08",
-                               stream_writer=write_sse_stream, contract=SAMPLED_CONTRACT)
+                               stream_writer=write_sse_stream, contract=SAMPLED_CONTRACT,
+                               read_events=lambda backend: backend.step_thread.events, pages=(STEPS_PAGE_DIR, PAGE_DIR))
     versions = app.state.registry.versions
     app.state.metrics_registry.register(ContinuousCollector(
         lambda: [(v.name, v.backend) for v in list(versions.values()) if v.backend is not None]))

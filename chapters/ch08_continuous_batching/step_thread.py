@@ -13,6 +13,9 @@ The event loop never computes and the step thread never touches asyncio objects 
 - what a step produced (new tokens, finished sequences) is handed back to the loop in ONE
   ``loop.call_soon_threadsafe`` per step, where each request's :class:`RequestStream` receives it.
 
+While someone watches chapter 3's live page (``/ui/``), the thread also publishes one ``step`` event
+per step (:mod:`~chapters.ch08_continuous_batching.live_steps`); nobody watching costs one check.
+
 A failing step fails exactly the sequences it computed (500, ``batch_failed``), frees their blocks,
 and the loop goes on.
 """
@@ -27,9 +30,11 @@ from collections import Counter, deque
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 
+from chapters.ch03_dynamic_batching.live_view import LiveEvents
+from chapters.ch08_continuous_batching.live_steps import StepView
 from chapters.ch08_continuous_batching.model_runner import ModelRunner
 from chapters.ch08_continuous_batching.sampling import TokenLogprobs
-from chapters.ch08_continuous_batching.scheduler import ContinuousScheduler, Sequence
+from chapters.ch08_continuous_batching.scheduler import ContinuousScheduler, ContinuousStep, Sequence
 from shared.schemas import ApiError
 
 log = logging.getLogger(__name__)
@@ -165,6 +170,9 @@ class StepThread:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.failed_steps = 0
+        self.view = StepView(scheduler)
+        self.events = LiveEvents(hello=self.view.hello)
+        self._last_step: tuple[ContinuousStep, StepRecord] | None = None  # the step the next event shows
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -219,6 +227,9 @@ class StepThread:
                 log.exception("a step failed; failing the sequences it computed")
                 self.failed_steps += 1
                 self._fail_running(exc)
+            if self.events.watched:
+                self._publish()
+            self._last_step = None
             self._flush()
 
     def step(self) -> None:
@@ -232,17 +243,28 @@ class StepThread:
         executed = time.perf_counter()
         self.scheduler.update(step, logits)
         done = time.perf_counter()
-        self.clock.record(StepRecord(
+        record = StepRecord(
             tokens=step.num_tokens, decode_rows=len(step.decode_rows), prefill_tokens=step.num_tokens - len(step.decode_rows),
             running=len(self.scheduler.running), schedule_ms=(scheduled - started) * 1e3,
             prepare_ms=self.runner.last_prepare_s * 1e3, model_ms=self.runner.last_model_s * 1e3,
             update_ms=(done - executed) * 1e3,
-        ))
+        )
+        self.clock.record(record)
+        self._last_step = (step, record)
 
     def _fail_running(self, exc: Exception) -> None:
         for seq in list(self.scheduler.running):
             self.scheduler.abort(seq)
             self._listener.end(seq, ApiError(500, "batch_failed", f"the step computing this request failed: {type(exc).__name__}"))
+
+    def _publish(self) -> None:
+        """The live page's event for the step just taken (or for the endings alone, when nothing ran)."""
+        finished = self._listener.finished
+        if self._last_step is None and not finished:
+            return
+        step, record = self._last_step or (None, None)
+        timings = {phase: getattr(record, f"{phase}_ms") for phase in StepClock.PHASES} if record else None
+        self.events.publish_threadsafe("step", self.view.step_event(step, timings, finished))
 
     def _flush(self) -> None:
         events = self._listener.take()

@@ -1,0 +1,136 @@
+"""What watching costs: a chapter's throughput under load with the live page's event stream open and without.
+
+The live page (``/ui/``) must stay off the hot path. This measures it the way the streaming
+comparison measures servers (``benchmarks/streaming.py``: a closed loop of ``--users`` clients, the
+climb's ``cpu`` profile, server and client on their own cores), on ONE server per round, twice:
+``unwatched``, then ``watched`` with ``--viewers`` subscribers reading ``/ui/events`` for the whole
+run (each parses every event, as the page's script does), or the other way round every other round.
+The viewers run in the client's process, on the client's core: what is measured is what the stream
+costs the SERVER (building, serializing and sending its events), not a browser's drawing. Each round
+keeps both runs of the same server side by side; the file has every round and the median ratio.
+
+    python -m benchmarks.live_page_cost --profile cpu --chapter ch08 --users 64 --duration-s 20 --rounds 3 \\
+        --out benchmarks/reference/cpu/ch08/live-page-cost.json
+    python -m benchmarks.live_page_cost --profile cpu --chapter ch03 --users 64 --duration-s 20 --rounds 3 \\
+        --out benchmarks/reference/cpu/ch03/live-page-cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import statistics
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.streaming import WORKLOADS, harness_settings, run_closed_loop, summarize
+
+LIVE_CHAPTERS = ("ch03", "ch04", "ch05", "ch06", "ch07", "ch08")
+
+
+class ViewerCount:
+    """What one subscriber saw: events by kind, and the drops the server reported to it."""
+
+    def __init__(self) -> None:
+        self.events: dict[str, int] = {}
+        self.bytes = 0
+        self.dropped_total = 0
+
+
+async def watch(url: str, seen: ViewerCount, stop: asyncio.Event) -> None:
+    """Read ``/ui/events`` until ``stop`` is set, decoding every event's data."""
+    async with httpx.AsyncClient(base_url=url, timeout=None) as client:
+        async with client.stream("GET", "/ui/events") as response:
+            response.raise_for_status()
+            kind = "message"
+            lines = response.aiter_lines()
+            while not stop.is_set():
+                reading = asyncio.ensure_future(anext(lines))
+                stopping = asyncio.ensure_future(stop.wait())
+                done, _ = await asyncio.wait({reading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                if reading not in done:
+                    reading.cancel()
+                    break
+                stopping.cancel()
+                line = reading.result()
+                seen.bytes += len(line) + 1
+                if line.startswith("event: "):
+                    kind = line.removeprefix("event: ")
+                elif line.startswith("data: "):
+                    data = json.loads(line.removeprefix("data: "))
+                    seen.events[kind] = seen.events.get(kind, 0) + 1
+                    if kind == "dropped":
+                        seen.dropped_total = data["dropped_total"]
+
+
+async def measure(url: str, users: int, duration_s: float, workload: str, stream: bool, viewers: int, seed: int) -> dict[str, Any]:
+    stop = asyncio.Event()
+    seen = [ViewerCount() for _ in range(viewers)]
+    watchers = [asyncio.create_task(watch(url, count, stop)) for count in seen]
+    try:
+        records, window = await run_closed_loop(url, users, duration_s, workload, stream, seed=seed)
+    finally:
+        stop.set()
+        await asyncio.gather(*watchers, return_exceptions=True)
+    result = summarize(records, window, None, None, None)
+    if viewers:
+        result["viewers"] = [{"events": count.events, "bytes": count.bytes, "dropped_total": count.dropped_total} for count in seen]
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.live_page_cost", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--chapter", choices=LIVE_CHAPTERS, default="ch08", help="a chapter with the live page")
+    parser.add_argument("--users", type=int, default=64)
+    parser.add_argument("--duration-s", type=float, default=20.0)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="default")
+    parser.add_argument("--viewers", type=int, default=1, help="open pages in the watched runs")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--server-args", default="", help="extra flags for the server")
+    parser.add_argument("--profile", choices=("cpu",), default=None, help="run the server as the climb's profile does")
+    parser.add_argument("--out", type=Path, default=None)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    if args.users < 1 or args.rounds < 1 or args.viewers < 1 or args.duration_s <= 0:
+        parser.error("--users, --rounds and --viewers must be at least 1 and --duration-s positive")
+
+    from benchmarks.server_process import running_server
+
+    harness, profile_args, server_env = harness_settings(args.profile)
+    stream = args.chapter == "ch08"  # chapters 3-7 answer whole responses
+    rounds = []
+    for index in range(args.rounds):
+        order = ["unwatched", "watched"] if index % 2 == 0 else ["watched", "unwatched"]
+        with running_server(args.chapter, [*profile_args, *args.server_args.split()], env=server_env,
+                            cpu_cores=harness["server_cores"]) as server:
+            # A short unmeasured warm-up: first allocations, lazy kernels.
+            asyncio.run(run_closed_loop(server.url, min(args.users, 4), 2.0, args.workload, stream, seed=args.seed + 1))
+            row: dict[str, Any] = {"order": order}
+            for label in order:
+                row[label] = asyncio.run(measure(server.url, args.users, args.duration_s, args.workload, stream,
+                                                 args.viewers if label == "watched" else 0, args.seed + index))
+            row["ratio"] = row["watched"]["qps"] / row["unwatched"]["qps"]
+            rounds.append(row)
+            print(f"round {index + 1}: {order[0]} first: unwatched {row['unwatched']['qps']:.1f} req/s, "
+                  f"watched {row['watched']['qps']:.1f} req/s, ratio {row['ratio']:.3f}", file=sys.stderr)
+    result = {"kind": "live-page-cost", "schema": 1, "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
+              "command": "python -m benchmarks.live_page_cost " + shlex.join(argv), "chapter": args.chapter,
+              "workload": args.workload, "users": args.users, "duration_s": args.duration_s, "viewers": args.viewers,
+              "streamed": stream, "harness": harness, "rounds": rounds,
+              "median_ratio": statistics.median(row["ratio"] for row in rounds)}
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

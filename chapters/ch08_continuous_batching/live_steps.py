@@ -1,0 +1,81 @@
+"""What chapter 3's live page shows of the step loop: one ``step`` event per step, from the step thread.
+
+After every step in which something happened (tokens computed, a sequence finished or aborted), and
+only while someone watches (:attr:`~chapters.ch03_dynamic_batching.live_view.LiveEvents.watched`),
+the step thread reads the scheduler's state into plain data and hands it to the event loop:
+
+- the step: how its token budget was split (decode rows, prompt chunks) and where its time went;
+- the running sequences (prompt length, tokens so far, blocks) and the head of the waiting queue;
+- who joined, who left (finished, and why; aborted), who was preempted back to the queue;
+- the KV pool: each running sequence's block table, and the blocks that hold a cached prefix;
+- the scheduler's counters, the same figures ``/stats`` reports under ``scheduler``.
+
+Every event is a whole picture, not a change, so a page that missed some is right again at the next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from chapters.ch03_dynamic_batching.live_view import server_time
+from chapters.ch08_continuous_batching.scheduler import ContinuousScheduler, ContinuousStep, Sequence, Status
+
+if TYPE_CHECKING:  # the step thread imports this module
+    from chapters.ch08_continuous_batching.step_thread import Finished
+
+WAITING_SHOWN = 32  # the page draws the head of the queue and counts the rest
+
+
+class StepView:
+    """Builds the live page's events from one scheduler's state; call it in the step thread only."""
+
+    def __init__(self, scheduler: ContinuousScheduler) -> None:
+        self.scheduler = scheduler
+        self._last_running: set[int] = set()
+
+    def hello(self) -> dict:
+        """The first event a page gets: the scheduler's settings and counters (read on the event loop)."""
+        return {"kind": "steps", "stats": self.scheduler.describe()}
+
+    def step_event(self, step: ContinuousStep | None, timings_ms: Mapping[str, float] | None,
+                   finished: Mapping[Sequence, Finished]) -> dict:
+        """``step``: what ran (None if nothing did); ``finished``: sequence -> its :class:`Finished` event."""
+        scheduler, manager = self.scheduler, self.scheduler.manager
+        running = {seq.seq_id for seq in scheduler.running}
+        left = [[seq.seq_id, _why_left(seq, end)] for seq, end in finished.items()]
+        preempted = [seq.seq_id for seq in scheduler.waiting if seq.seq_id in self._last_running]
+        event = {
+            "t": server_time(),
+            "stats": scheduler.describe(),
+            "decode_rows": len(step.decode_rows) if step else 0,
+            "prefill": [[row.seq_id, row.start, row.length] for row in step.prefill_rows] if step else [],
+            "timings_ms": dict(timings_ms or {}),
+            "running": [[s.seq_id, len(s.prompt_ids), s.num_generated, s.max_new_tokens, s.num_computed, s.preemptions]
+                        for s in scheduler.running],
+            "waiting": [[s.seq_id, len(s.prompt_ids), s.num_generated, s.preemptions]
+                        for s in list(scheduler.waiting)[:WAITING_SHOWN]],
+            "joined": sorted(running - self._last_running),
+            "left": left,
+            "preempted": preempted,
+            "latencies": [latency for end in finished.values() if (latency := _latency(end))],
+            "tables": {str(s.seq_id): list(manager.tables.get(s.seq_id, ())) for s in scheduler.running},
+            "cached_blocks": manager.identified_blocks() if manager.prefix_caching else [],
+        }
+        self._last_running = running
+        return event
+
+
+def _why_left(seq: Sequence, end: Finished) -> str:
+    """"stop" or "length" for an answer; the error's type (client_disconnected, batch_failed, ...) otherwise."""
+    if end.error is not None:
+        return end.error.type
+    return seq.finish_reason or ("aborted" if seq.status is Status.ABORTED else "finished")
+
+
+def _latency(end: Finished) -> dict | None:
+    """TTFT and TPOT (ms) of a request that ended well, for the page's latency lines."""
+    if end.error is not None or "ttft" not in end.timings_ms:
+        return None
+    n = len(end.output_ids)
+    return {"ttft_ms": end.timings_ms["ttft"], "tpot_ms": end.timings_ms.get("decode", 0.0) / (n - 1) if n > 1 else None}
