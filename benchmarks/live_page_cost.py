@@ -4,8 +4,8 @@ The live page (``/ui/``) must stay off the hot path. This measures it the way th
 comparison measures servers (``benchmarks/streaming.py``: a closed loop of ``--users`` clients, the
 climb's ``cpu`` profile, server and client on their own cores), on ONE server per round, twice:
 ``unwatched``, then ``watched`` with ``--viewers`` subscribers reading ``/ui/events`` for the whole
-run (each parses every event, as the page's script does), or the other way round every other round.
-The viewers run in the client's process, on the client's core: what is measured is what the stream
+run (each reads every byte and counts the events), or the other way round every other round. The
+viewers run in the client's process, on the client's core: what is measured is what the stream
 costs the SERVER (building, serializing and sending its events), not a browser's drawing. Each round
 keeps both runs of the same server side by side; the file has every round and the median ratio.
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import shlex
 import statistics
 import sys
@@ -32,6 +33,8 @@ import httpx
 from benchmarks.streaming import WORKLOADS, harness_settings, run_closed_loop, summarize
 
 LIVE_CHAPTERS = ("ch03", "ch04", "ch05", "ch06", "ch07", "ch08")
+EVENT_NAME = re.compile(rb"^event: (\w+)$", re.MULTILINE)
+DROPPED_TOTAL = re.compile(rb'"dropped_total":\s*(\d+)')
 
 
 class ViewerCount:
@@ -44,29 +47,33 @@ class ViewerCount:
 
 
 async def watch(url: str, seen: ViewerCount, stop: asyncio.Event) -> None:
-    """Read ``/ui/events`` until ``stop`` is set, decoding every event's data."""
+    """Read ``/ui/events`` until ``stop`` is set, counting events by kind from the raw bytes.
+
+    Regular expressions over whole chunks, not a JSON parse per event: the viewer shares the client's
+    core with the load generator, and its own work must not be what slows the measured load down.
+    """
     async with httpx.AsyncClient(base_url=url, timeout=None) as client:
         async with client.stream("GET", "/ui/events") as response:
             response.raise_for_status()
-            kind = "message"
-            lines = response.aiter_lines()
+            chunks = response.aiter_raw()
+            tail = b""
             while not stop.is_set():
-                reading = asyncio.ensure_future(anext(lines))
+                reading = asyncio.ensure_future(anext(chunks))
                 stopping = asyncio.ensure_future(stop.wait())
                 done, _ = await asyncio.wait({reading, stopping}, return_when=asyncio.FIRST_COMPLETED)
                 if reading not in done:
                     reading.cancel()
                     break
                 stopping.cancel()
-                line = reading.result()
-                seen.bytes += len(line) + 1
-                if line.startswith("event: "):
-                    kind = line.removeprefix("event: ")
-                elif line.startswith("data: "):
-                    data = json.loads(line.removeprefix("data: "))
-                    seen.events[kind] = seen.events.get(kind, 0) + 1
-                    if kind == "dropped":
-                        seen.dropped_total = data["dropped_total"]
+                chunk = reading.result()
+                seen.bytes += len(chunk)
+                text = tail + chunk
+                cut = text.rfind(b"\n\n") + 2  # count whole events only; the rest waits for the next chunk
+                for kind in EVENT_NAME.findall(text, 0, cut):
+                    seen.events[kind.decode()] = seen.events.get(kind.decode(), 0) + 1
+                for total in DROPPED_TOTAL.findall(text, 0, cut):
+                    seen.dropped_total = int(total)
+                tail = text[cut:]
 
 
 async def measure(url: str, users: int, duration_s: float, workload: str, stream: bool, viewers: int, seed: int) -> dict[str, Any]:

@@ -155,22 +155,29 @@ def test_batcher_events_say_why_each_batch_left_and_carry_its_rows_and_counters(
 
 # -- chapter 8: the step thread's events --------------------------------------------------------
 
+async def watched_run(max_events_per_s: float) -> tuple[list[dict], list[Sequence], StepThread]:
+    """Three sequences through a real step thread over the fake model, watched: every ``step`` event."""
+    # 16 blocks of 4 tokens; three sequences that each reach 39 positions cannot all stay: preemptions.
+    scheduler, runner = fake_setup(max_num_seqs=3, budget=64, policy="grow")
+    thread = StepThread(runner, scheduler)
+    thread.view.max_events_per_s = max_events_per_s
+    viewer = Viewer(capacity=10_000)
+    stream = thread.events.watch(viewer)
+    assert parse(await anext(stream))[1]["kind"] == "steps"
+    thread.start(asyncio.get_running_loop())
+    seqs = [Sequence(prompt(20, 10 + i), 20) for i in range(3)]
+    await asyncio.gather(*(thread.submit(seq).result for seq in seqs))
+    thread.stop()
+    # Each step's event is handed to the loop before its tokens: every one is queued by now.
+    steps = [data for kind, data in await drain(viewer) if kind == "step"]
+    await stream.aclose()
+    return steps, seqs, thread
+
+
 def test_step_events_show_who_joined_left_and_was_preempted_and_whose_blocks_are_whose() -> None:
     async def scenario() -> None:
-        # 16 blocks of 4 tokens; three sequences that each reach 39 positions cannot all stay: preemptions.
-        scheduler, runner = fake_setup(max_num_seqs=3, budget=64, policy="grow")
-        thread = StepThread(runner, scheduler)
-        viewer = Viewer(capacity=10_000)
-        stream = thread.events.watch(viewer)
-        assert parse(await anext(stream))[1]["kind"] == "steps"
-        thread.start(asyncio.get_running_loop())
-        seqs = [Sequence(prompt(20, 10 + i), 20) for i in range(3)]
-        await asyncio.gather(*(thread.submit(seq).result for seq in seqs))
-        thread.stop()
-        # Each step's event is handed to the loop before its tokens: every one is queued by now.
-        steps = [data for kind, data in await drain(viewer) if kind == "step"]
-        await stream.aclose()
-
+        steps, seqs, thread = await watched_run(max_events_per_s=float("inf"))
+        scheduler = thread.scheduler
         ids = {seq.seq_id for seq in seqs}
         assert {i for s in steps for i in s["joined"]} == ids
         assert sorted(i for s in steps for i, why in s["left"]) == sorted(ids)
@@ -185,6 +192,20 @@ def test_step_events_show_who_joined_left_and_was_preempted_and_whose_blocks_are
         assert [s["stats"]["steps"] for s in steps] == list(range(1, scheduler.stats.steps + 1))
         assert steps[-1]["stats"] == scheduler.describe()
         assert sum(len(s["latencies"]) for s in steps) == 3
+
+    run(scenario)
+
+
+def test_events_come_at_most_so_often_yet_none_of_what_happened_is_lost_and_the_last_step_is_always_sent() -> None:
+    async def scenario() -> None:
+        steps, seqs, thread = await watched_run(max_events_per_s=1e-6)  # one event, then only the last step's
+        scheduler = thread.scheduler
+        assert len(steps) == 2 < scheduler.stats.steps
+        ids = {seq.seq_id for seq in seqs}
+        assert {i for s in steps for i in s["joined"]} == ids
+        assert sorted(i for s in steps for i, _ in s["left"]) == sorted(ids)  # all three left in skipped steps
+        assert sum(len(s["latencies"]) for s in steps) == 3
+        assert steps[-1]["stats"] == scheduler.describe() and steps[-1]["running"] == []
 
     run(scenario)
 
@@ -207,6 +228,7 @@ def test_a_server_with_the_page_open_exits_promptly_on_sigterm() -> None:
 
 def test_the_page_and_its_files_are_served_and_nothing_else() -> None:
     with running_server("ch03") as server:
+        assert f"live page: {server.url}/ui/" in server.log_tail()  # what `make serve` shows a learner
         page = requests.get(f"{server.url}/ui/", timeout=10)
         assert page.status_code == 200 and 'src="batcher.js"' in page.text
         for name in ("batcher.js", "live.js", "live.css"):
@@ -218,6 +240,7 @@ def test_the_page_and_its_files_are_served_and_nothing_else() -> None:
 @pytest.mark.parametrize("chapter", ["ch08"])
 def test_chapter_8_serves_its_own_page_with_chapter_3s_script(chapter: str) -> None:
     with running_server(chapter, ["--probe-interval-s", "3600"]) as server:
+        assert f"live page: {server.url}/ui/" in server.log_tail()
         assert 'src="steps.js"' in requests.get(f"{server.url}/ui/", timeout=10).text
         for name in ("steps.js", "live.js", "live.css"):
             assert requests.get(f"{server.url}/ui/{name}", timeout=10).status_code == 200

@@ -1,16 +1,21 @@
 """What chapter 3's live page shows of the step loop: one ``step`` event per step, from the step thread.
 
-After every step in which something happened (tokens computed, a sequence finished or aborted), and
+After a step in which something happened (tokens computed, a sequence finished or aborted), and
 only while someone watches (:attr:`~chapters.ch03_dynamic_batching.live_view.LiveEvents.watched`),
-the step thread reads the scheduler's state into plain data and hands it to the event loop:
+the step thread reads the scheduler's state into plain data and hands it to the event loop. At most
+``MAX_EVENTS_PER_S`` a second: a page draws no faster, and on fast hardware steps come quicker than
+that (what happened in between, who joined, left or was preempted, comes with the next event; the
+step after which the loop goes idle always has its event). An event holds:
 
 - the step: how its token budget was split (decode rows, prompt chunks) and where its time went;
 - the running sequences (prompt length, tokens so far, blocks) and the head of the waiting queue;
 - who joined, who left (finished, and why; aborted), who was preempted back to the queue;
-- the KV pool: each running sequence's block table, and the blocks that hold a cached prefix;
+- the KV pool: each running sequence's block table, and (once a second: it can be the whole pool)
+  the blocks that hold a cached prefix;
 - the scheduler's counters, the same figures ``/stats`` reports under ``scheduler``.
 
-Every event is a whole picture, not a change, so a page that missed some is right again at the next.
+Every event is a whole picture, not a change (but for the cached blocks, which come at most once a
+second), so a page that missed some is right again at the next.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ if TYPE_CHECKING:  # the step thread imports this module
     from chapters.ch08_continuous_batching.step_thread import Finished
 
 WAITING_SHOWN = 32  # the page draws the head of the queue and counts the rest
+MAX_EVENTS_PER_S = 30.0
+CACHED_EVERY_S = 1.0  # the cached-prefix blocks (up to the whole pool) are sent this often, not every step
 
 
 class StepView:
@@ -32,21 +39,37 @@ class StepView:
 
     def __init__(self, scheduler: ContinuousScheduler) -> None:
         self.scheduler = scheduler
-        self._last_running: set[int] = set()
+        self.max_events_per_s = MAX_EVENTS_PER_S
+        self._last_running: set[int] = set()  # as of the last event sent
+        self._left: list[list] = []  # since the last event sent
+        self._latencies: list[dict] = []
+        self._sent_at = self._cached_sent_at = float("-inf")
 
     def hello(self) -> dict:
         """The first event a page gets: the scheduler's settings and counters (read on the event loop)."""
         return {"kind": "steps", "stats": self.scheduler.describe()}
 
     def step_event(self, step: ContinuousStep | None, timings_ms: Mapping[str, float] | None,
-                   finished: Mapping[Sequence, Finished]) -> dict:
-        """``step``: what ran (None if nothing did); ``finished``: sequence -> its :class:`Finished` event."""
+                   finished: Mapping[Sequence, Finished], last: bool = False) -> dict | None:
+        """The event after ``step`` (None if nothing ran), or None when one was sent less than
+        ``1 / max_events_per_s`` ago and this is not the ``last`` step before the loop goes idle.
+
+        ``finished``: sequence -> its :class:`Finished` event, for the sequences that ended in this step.
+        """
+        self._left += [[seq.seq_id, _why_left(seq, end)] for seq, end in finished.items()]
+        self._latencies += [latency for end in finished.values() if (latency := _latency(end))]
+        now = server_time()
+        if not last and now - self._sent_at < 1.0 / self.max_events_per_s:
+            return None
+        self._sent_at = now
         scheduler, manager = self.scheduler, self.scheduler.manager
         running = {seq.seq_id for seq in scheduler.running}
-        left = [[seq.seq_id, _why_left(seq, end)] for seq, end in finished.items()]
         preempted = [seq.seq_id for seq in scheduler.waiting if seq.seq_id in self._last_running]
+        cached = None  # None: as in the last event that had them
+        if manager.prefix_caching and now - self._cached_sent_at >= CACHED_EVERY_S:
+            cached, self._cached_sent_at = manager.identified_blocks(), now
         event = {
-            "t": server_time(),
+            "t": now,
             "stats": scheduler.describe(),
             "decode_rows": len(step.decode_rows) if step else 0,
             "prefill": [[row.seq_id, row.start, row.length] for row in step.prefill_rows] if step else [],
@@ -56,13 +79,13 @@ class StepView:
             "waiting": [[s.seq_id, len(s.prompt_ids), s.num_generated, s.preemptions]
                         for s in list(scheduler.waiting)[:WAITING_SHOWN]],
             "joined": sorted(running - self._last_running),
-            "left": left,
+            "left": self._left,
             "preempted": preempted,
-            "latencies": [latency for end in finished.values() if (latency := _latency(end))],
+            "latencies": self._latencies,
             "tables": {str(s.seq_id): list(manager.tables.get(s.seq_id, ())) for s in scheduler.running},
-            "cached_blocks": manager.identified_blocks() if manager.prefix_caching else [],
+            "cached_blocks": cached,
         }
-        self._last_running = running
+        self._last_running, self._left, self._latencies = running, [], []
         return event
 
 

@@ -14,7 +14,8 @@ The event loop never computes and the step thread never touches asyncio objects 
   ``loop.call_soon_threadsafe`` per step, where each request's :class:`RequestStream` receives it.
 
 While someone watches chapter 3's live page (``/ui/``), the thread also publishes one ``step`` event
-per step (:mod:`~chapters.ch08_continuous_batching.live_steps`); nobody watching costs one check.
+per step, at most ``MAX_EVENTS_PER_S`` a second (:mod:`~chapters.ch08_continuous_batching.live_steps`); nobody
+watching costs one check.
 
 A failing step fails exactly the sequences it computed (500, ``batch_failed``), frees their blocks,
 and the loop goes on.
@@ -264,7 +265,9 @@ class StepThread:
             return
         step, record = self._last_step or (None, None)
         timings = {phase: getattr(record, f"{phase}_ms") for phase in StepClock.PHASES} if record else None
-        self.events.publish_threadsafe("step", self.view.step_event(step, timings, finished))
+        event = self.view.step_event(step, timings, finished, last=not self.scheduler.has_work)
+        if event is not None:
+            self.events.publish_threadsafe("step", event)
 
     def _flush(self) -> None:
         events = self._listener.take()

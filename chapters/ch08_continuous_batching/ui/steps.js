@@ -2,7 +2,7 @@
 // Every `step` event is the whole picture after a step, so drawing the latest one is always right.
 import { connect, show, everyFrame, colourOf, Line, Rate, RecentMedian, wireBursts } from "./live.js";
 
-const state = { stats: null, step: null, offset: null, log: [], widest: 64 };
+const state = { stats: null, step: null, offset: null, log: [], widest: 64, cached: new Set() };
 const lines = {
   tokens: new Line("line-tokens", "tokens generated", "/s"),
   rps: new Line("line-rps", "requests finished", "/s"),
@@ -36,6 +36,7 @@ connect({
     const t = toLocal(data.t);
     counters(data.stats);
     state.step = data;
+    if (data.cached_blocks !== null) state.cached = new Set(data.cached_blocks);  // sent about once a second
     lines.tokens.add(t, tokenRate.add(t, data.stats.tokens_generated));
     lines.rps.add(t, finishRate.add(t, data.stats.finished));
     for (const l of data.latencies) { ttft.add(t, l.ttft_ms); if (l.tpot_ms !== null) tpot.add(t, l.tpot_ms); }
@@ -124,7 +125,7 @@ function drawBlocks(step) {
   for (const [id, table] of Object.entries(step.tables)) {
     for (const block of table) { owners.set(block, id); holders.set(block, (holders.get(block) || 0) + 1); }
   }
-  const cached = new Set(step.cached_blocks);
+  const cached = state.cached;
   g.clearRect(0, 0, c.width, c.height);
   for (let block = 0; block < total; block++) {
     const x = (block % columns) * cell, y = Math.floor(block / columns) * cell;
