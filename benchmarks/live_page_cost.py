@@ -7,7 +7,9 @@ climb's ``cpu`` profile, server and client on their own cores), on ONE server pe
 run (each reads every byte and counts the events), or the other way round every other round. The
 viewers run in the client's process, on the client's core: what is measured is what the stream
 costs the SERVER (building, serializing and sending its events), not a browser's drawing. Each round
-keeps both runs of the same server side by side; the file has every round and the median ratio.
+keeps both runs of the same server side by side; the file has every round and the median ratios of
+throughput and of the server's CPU time per answered request (user + system, all its threads: the
+figure a noisy neighbour disturbs least).
 
     python -m benchmarks.live_page_cost --profile cpu --chapter ch08 --users 64 --duration-s 20 --rounds 3 \\
         --out benchmarks/reference/cpu/ch08/live-page-cost.json
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from benchmarks.streaming import WORKLOADS, harness_settings, run_closed_loop, summarize
 
@@ -76,7 +79,11 @@ async def watch(url: str, seen: ViewerCount, stop: asyncio.Event) -> None:
                 tail = text[cut:]
 
 
-async def measure(url: str, users: int, duration_s: float, workload: str, stream: bool, viewers: int, seed: int) -> dict[str, Any]:
+async def measure(url: str, server_pid: int, users: int, duration_s: float, workload: str, stream: bool, viewers: int,
+                  seed: int) -> dict[str, Any]:
+    """One closed-loop run with ``viewers`` subscribers; plus the server's CPU time per answered request."""
+    server = psutil.Process(server_pid)
+    cpu_before = sum(server.cpu_times()[:2])
     stop = asyncio.Event()
     seen = [ViewerCount() for _ in range(viewers)]
     watchers = [asyncio.create_task(watch(url, count, stop)) for count in seen]
@@ -85,7 +92,10 @@ async def measure(url: str, users: int, duration_s: float, workload: str, stream
     finally:
         stop.set()
         await asyncio.gather(*watchers, return_exceptions=True)
+    cpu_s = sum(server.cpu_times()[:2]) - cpu_before
     result = summarize(records, window, None, None, None)
+    result["server_cpu_s"] = cpu_s
+    result["server_cpu_ms_per_request"] = 1e3 * cpu_s / result["completed"] if result["completed"] else None
     if viewers:
         result["viewers"] = [{"events": count.events, "bytes": count.bytes, "dropped_total": count.dropped_total} for count in seen]
     return result
@@ -121,17 +131,20 @@ def main(argv: list[str] | None = None) -> None:
             asyncio.run(run_closed_loop(server.url, min(args.users, 4), 2.0, args.workload, stream, seed=args.seed + 1))
             row: dict[str, Any] = {"order": order}
             for label in order:
-                row[label] = asyncio.run(measure(server.url, args.users, args.duration_s, args.workload, stream,
+                row[label] = asyncio.run(measure(server.url, server.pid, args.users, args.duration_s, args.workload, stream,
                                                  args.viewers if label == "watched" else 0, args.seed + index))
             row["ratio"] = row["watched"]["qps"] / row["unwatched"]["qps"]
+            row["cpu_per_request_ratio"] = row["watched"]["server_cpu_ms_per_request"] / row["unwatched"]["server_cpu_ms_per_request"]
             rounds.append(row)
             print(f"round {index + 1}: {order[0]} first: unwatched {row['unwatched']['qps']:.1f} req/s, "
-                  f"watched {row['watched']['qps']:.1f} req/s, ratio {row['ratio']:.3f}", file=sys.stderr)
+                  f"watched {row['watched']['qps']:.1f} req/s, ratio {row['ratio']:.3f}, "
+                  f"server CPU per request ratio {row['cpu_per_request_ratio']:.3f}", file=sys.stderr)
     result = {"kind": "live-page-cost", "schema": 1, "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
               "command": "python -m benchmarks.live_page_cost " + shlex.join(argv), "chapter": args.chapter,
               "workload": args.workload, "users": args.users, "duration_s": args.duration_s, "viewers": args.viewers,
               "streamed": stream, "harness": harness, "rounds": rounds,
-              "median_ratio": statistics.median(row["ratio"] for row in rounds)}
+              "median_ratio": statistics.median(row["ratio"] for row in rounds),
+              "median_cpu_per_request_ratio": statistics.median(row["cpu_per_request_ratio"] for row in rounds)}
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

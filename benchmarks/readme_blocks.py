@@ -557,15 +557,17 @@ def live_page_cost_block(directory: Path, chapter: str) -> str:
         return (f"*No measurement of the page's cost yet: `python -m benchmarks.live_page_cost --profile cpu --chapter {chapter} "
                 f"--out {_repo_path(path)}` records one.*")
     run = json.loads(path.read_text())
-    lines = ["| round | unwatched (req/s) | watched (req/s) | watched / unwatched | events a viewer got | dropped for it |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| round | unwatched (req/s) | watched (req/s) | watched / unwatched | server CPU per request, watched / unwatched "
+             "| events a viewer got | dropped for it |",
+             "|---|---|---|---|---|---|---|"]
     for index, row in enumerate(run["rounds"], 1):
         viewers = row["watched"].get("viewers", [])
         events = sum(sum(v["events"].values()) for v in viewers)
         dropped = sum(v["dropped_total"] for v in viewers)
         lines.append(f"| {index} ({row['order'][0]} first) | {row['unwatched']['qps']:.1f} | {row['watched']['qps']:.1f} "
-                     f"| {row['ratio']:.3f}× | {events:,} | {dropped:,} |")
-    return ("\n".join(lines) + f"\n\nMedian ratio over the rounds: **{run['median_ratio']:.3f}×** ({run['users']} users, "
+                     f"| {row['ratio']:.3f}× | {row['cpu_per_request_ratio']:.3f}× | {events:,} | {dropped:,} |")
+    return ("\n".join(lines) + f"\n\nMedians over the rounds: throughput **{run['median_ratio']:.3f}×**, the server's CPU time "
+            f"per answered request **{run['median_cpu_per_request_ratio']:.3f}×** ({run['users']} users, "
             f"`{run['workload']}` workload, {run['duration_s']:.0f} s per run, {run['viewers']} viewer(s) reading every event; "
             f"{describe_harness(run.get('harness'))}). Reproduce: `{run['command']}`.")
 

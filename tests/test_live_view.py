@@ -244,3 +244,22 @@ def test_chapter_8_serves_its_own_page_with_chapter_3s_script(chapter: str) -> N
         assert 'src="steps.js"' in requests.get(f"{server.url}/ui/", timeout=10).text
         for name in ("steps.js", "live.js", "live.css"):
             assert requests.get(f"{server.url}/ui/{name}", timeout=10).status_code == 200
+
+
+def test_the_readme_block_reports_every_round_and_the_medians(tmp_path) -> None:
+    from benchmarks.readme_blocks import live_page_cost_block
+
+    def run(qps: float, cpu_ms: float, events: int = 0) -> dict:
+        return {"qps": qps, "server_cpu_ms_per_request": cpu_ms,
+                **({"viewers": [{"events": {"step": events}, "bytes": 1, "dropped_total": 2}]} if events else {})}
+
+    rounds = [{"order": ["unwatched", "watched"], "unwatched": run(40.0, 20.0), "watched": run(38.0, 21.0, 500),
+               "ratio": 0.95, "cpu_per_request_ratio": 1.05}]
+    document = {"rounds": rounds, "median_ratio": 0.95, "median_cpu_per_request_ratio": 1.05, "users": 64, "workload": "default",
+                "duration_s": 20, "viewers": 1, "harness": None, "command": "python -m benchmarks.live_page_cost --chapter ch08"}
+    (tmp_path / "ch08").mkdir()
+    (tmp_path / "ch08" / "live-page-cost.json").write_text(json.dumps(document))
+    block = live_page_cost_block(tmp_path, "ch08")
+    assert "| 1 (unwatched first) | 40.0 | 38.0 | 0.950× | 1.050× | 500 | 2 |" in block
+    assert "throughput **0.950×**" in block and "per answered request **1.050×**" in block
+    assert "No measurement" in live_page_cost_block(tmp_path, "ch03")

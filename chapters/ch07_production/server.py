@@ -31,9 +31,9 @@ import logging
 import time
 import tracemalloc
 import weakref
-from pathlib import Path
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -79,6 +79,7 @@ EventsReader = Callable[[Any], LiveEvents]
 
 
 def batcher_events(backend: Any) -> LiveEvents:
+    """Chapter 6's backend: its batcher's events."""
     return backend.batcher.events
 
 

@@ -28,8 +28,9 @@ free before the next step is planned, and nobody else notices.
 
 Routes: chapter 7's (``/healthz``, ``/livez``, ``/readyz``, ``/stats``, ``/metrics``,
 ``/admin/models``, and chapter 3's live page ``/ui/``, which here draws the steps:
-:mod:`~chapters.ch08_continuous_batching.live_steps`), ``/v1/inference`` (chapter 2's, which streams because this backend can and the
-server is given a writer of server-sent events, :mod:`~chapters.ch08_continuous_batching.streaming`,
+:mod:`~chapters.ch08_continuous_batching.live_steps`), ``/v1/inference`` (chapter 2's, which
+streams because this backend can and the server is given a writer of server-sent events,
+:mod:`~chapters.ch08_continuous_batching.streaming`,
 and samples because its contract takes the sampling fields,
 :mod:`~chapters.ch08_continuous_batching.sampled_contract`), plus ``/v1/completions`` and
 ``/v1/models`` (:mod:`~chapters.ch08_continuous_batching.openai_api`: sampling, stop strings,

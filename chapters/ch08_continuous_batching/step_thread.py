@@ -14,8 +14,8 @@ The event loop never computes and the step thread never touches asyncio objects 
   ``loop.call_soon_threadsafe`` per step, where each request's :class:`RequestStream` receives it.
 
 While someone watches chapter 3's live page (``/ui/``), the thread also publishes one ``step`` event
-per step, at most ``MAX_EVENTS_PER_S`` a second (:mod:`~chapters.ch08_continuous_batching.live_steps`); nobody
-watching costs one check.
+per step, at most ``MAX_EVENTS_PER_S`` a second
+(:mod:`~chapters.ch08_continuous_batching.live_steps`); nobody watching costs one check.
 
 A failing step fails exactly the sequences it computed (500, ``batch_failed``), frees their blocks,
 and the loop goes on.
