@@ -15,6 +15,16 @@ figure a noisy neighbour disturbs least).
         --out benchmarks/reference/cpu/ch08/live-page-cost.json
     python -m benchmarks.live_page_cost --profile cpu --chapter ch03 --users 64 --duration-s 20 --rounds 3 \\
         --out benchmarks/reference/cpu/ch03/live-page-cost.json
+
+On a shared machine two runs of the same server differ by more than the stream can cost, so
+``--in-process`` also measures chapter 8's part directly, side by side and without HTTP: the server's
+own backend (defaults, one torch thread) with ``--sequences`` decoding, alternating one step and one
+event built and serialized as the step thread and the loop do it, each timed in CPU time. The file
+has the medians, their ratio (what one event per step costs) and the share of the server's time that
+leaves at the cap of ``MAX_EVENTS_PER_S`` events a second:
+
+    python -m benchmarks.live_page_cost --in-process --sequences 64 \\
+        --out benchmarks/reference/cpu/ch08/live-page-event-cost.json
 """
 
 from __future__ import annotations
@@ -101,6 +111,48 @@ async def measure(url: str, server_pid: int, users: int, duration_s: float, work
     return result
 
 
+def in_process(sequences: int, samples: int, seed: int) -> dict[str, Any]:
+    """Chapter 8's step and its live-page event, alternately, timed in this thread's CPU time."""
+    import random
+    import time
+
+    from benchmarks.workload import PROMPT_LENGTHS
+    from chapters.ch08_continuous_batching.live_steps import MAX_EVENTS_PER_S
+    from chapters.ch08_continuous_batching.scheduler import Sequence
+    from chapters.ch08_continuous_batching.server import ContinuousSettings, build_backend
+    from shared.devices import choose_device, set_threads
+    from shared.weights import load_model
+
+    settings = ContinuousSettings(weights="default", device="cpu", torch_threads=1)
+    set_threads(settings.torch_threads)
+    loaded = load_model(settings.weights, settings.preset, choose_device(settings.device), settings.torch_dtype)
+    thread = build_backend(settings, loaded).step_thread
+    scheduler, rng = thread.scheduler, random.Random(seed)
+    for _ in range(sequences):  # prompts of the default workload's lengths, answers long enough to outlast the run
+        prompt = [rng.randrange(1, 250) for _ in range(rng.choice(PROMPT_LENGTHS))]
+        scheduler.add(Sequence(prompt, loaded.config.n_ctx - len(prompt)))
+    while scheduler.waiting or any(s.num_computed < len(s.prompt_ids) for s in scheduler.running):
+        thread.step()
+    step_ms, event_ms, sizes = [], [], []
+    for _ in range(samples):
+        started = time.thread_time()
+        thread.step()
+        step_ms.append((time.thread_time() - started) * 1e3)
+        record = thread.clock.recent[-1]
+        started = time.thread_time()
+        event = thread.view.step_event(None, {"model": record.model_ms}, {}, last=True)
+        sizes.append(len(json.dumps(event, separators=(",", ":"))))
+        event_ms.append((time.thread_time() - started) * 1e3)
+    step, cost = statistics.median(step_ms), statistics.median(event_ms)
+    events_per_step = min(1.0, MAX_EVENTS_PER_S * step / 1e3)  # the cap, when steps come faster than it
+    return {"kind": "live-page-event-cost", "schema": 1, "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
+            "sequences": sequences, "running": len(scheduler.running), "samples": samples,
+            "blocks_total": scheduler.manager.total_blocks, "cached_blocks": scheduler.manager.cached_blocks,
+            "median_step_cpu_ms": step, "median_event_cpu_ms": cost, "median_event_bytes": statistics.median(sizes),
+            "event_per_step_ratio": cost / step, "max_events_per_s": MAX_EVENTS_PER_S, "events_per_step_at_cap": events_per_step,
+            "cost_share_at_cap": cost * events_per_step / (step + cost * events_per_step)}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.live_page_cost", description=__doc__.split("\n\n")[0])
     parser.add_argument("--chapter", choices=LIVE_CHAPTERS, default="ch08", help="a chapter with the live page")
@@ -113,8 +165,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--server-args", default="", help="extra flags for the server")
     parser.add_argument("--profile", choices=("cpu",), default=None, help="run the server as the climb's profile does")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--in-process", action="store_true", help="chapter 8's step and event side by side, no HTTP")
+    parser.add_argument("--sequences", type=int, default=64, help="--in-process: sequences decoding")
+    parser.add_argument("--samples", type=int, default=200, help="--in-process: steps (and events) timed")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    if args.in_process:
+        result = {**in_process(args.sequences, args.samples, args.seed), "command": "python -m benchmarks.live_page_cost " + shlex.join(argv)}
+        text = json.dumps(result, indent=2)
+        print(text)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(text + "\n")
+        return
     if args.users < 1 or args.rounds < 1 or args.viewers < 1 or args.duration_s <= 0:
         parser.error("--users, --rounds and --viewers must be at least 1 and --duration-s positive")
 

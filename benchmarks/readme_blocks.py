@@ -569,7 +569,20 @@ def live_page_cost_block(directory: Path, chapter: str) -> str:
     return ("\n".join(lines) + f"\n\nMedians over the rounds: throughput **{run['median_ratio']:.3f}×**, the server's CPU time "
             f"per answered request **{run['median_cpu_per_request_ratio']:.3f}×** ({run['users']} users, "
             f"`{run['workload']}` workload, {run['duration_s']:.0f} s per run, {run['viewers']} viewer(s) reading every event; "
-            f"{describe_harness(run.get('harness'))}). Reproduce: `{run['command']}`.")
+            f"{describe_harness(run.get('harness'))}). Reproduce: `{run['command']}`." + _event_cost_sentence(directory / chapter))
+
+
+def _event_cost_sentence(folder: Path) -> str:
+    """Chapter 8's step and event side by side in-process (``live_page_cost --in-process``), where measured."""
+    path = folder / "live-page-event-cost.json"
+    if not path.exists():
+        return ""
+    run = json.loads(path.read_text())
+    return (f"\n\nWithout HTTP and its noise, the step thread's own step and event side by side ({run['running']} sequences "
+            f"decoding, CPU time, medians of {run['samples']}): a step {run['median_step_cpu_ms']:.1f} ms, building and "
+            f"serializing its event {run['median_event_cpu_ms']:.2f} ms ({run['median_event_bytes'] / 1024:.1f} KiB), "
+            f"{run['event_per_step_ratio']:.1%} of the step; at most {run['max_events_per_s']:.0f} events a second, that "
+            f"is **{run['cost_share_at_cap']:.1%}** of the server's time. Reproduce: `{run['command']}`.")
 
 
 def render_key(key: str, results: Mapping[str, BenchmarkResult], directory: Path, readme: Path, profile: str) -> str:

@@ -132,10 +132,6 @@ class LiveEvents:
         finally:
             self.viewers.discard(viewer)
 
-    def describe(self) -> dict:
-        return {"viewers": len(self.viewers), "published": self.published,
-                "dropped": sum(v.dropped_total for v in self.viewers)}
-
 
 class LiveView:
     """The page's routes on an app: ``/ui/`` (the page), ``/ui/<file>``, ``/ui/events`` (the stream).
