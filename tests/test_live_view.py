@@ -237,13 +237,23 @@ def test_the_page_and_its_files_are_served_and_nothing_else() -> None:
             assert requests.get(f"{server.url}/ui/{name}", timeout=10).status_code == 404, name
 
 
-@pytest.mark.parametrize("chapter", ["ch08"])
-def test_chapter_8_serves_its_own_page_with_chapter_3s_script(chapter: str) -> None:
+@pytest.mark.parametrize(("chapter", "script", "kind"), [("ch07", "batcher.js", "batcher"), ("ch08", "steps.js", "steps")])
+def test_the_production_shell_serves_the_page_of_its_backend_and_ends_its_stream_at_the_drain(chapter: str, script: str, kind: str) -> None:
+    """Chapter 7 watches its batcher, chapter 8 its step thread (the newest version's); SIGTERM drains, then ends the stream."""
     with running_server(chapter, ["--probe-interval-s", "3600"]) as server:
         assert f"live page: {server.url}/ui/" in server.log_tail()
-        assert 'src="steps.js"' in requests.get(f"{server.url}/ui/", timeout=10).text
-        for name in ("steps.js", "live.js", "live.css"):
+        assert f'src="{script}"' in requests.get(f"{server.url}/ui/", timeout=10).text
+        for name in (script, "live.js", "live.css"):
             assert requests.get(f"{server.url}/ui/{name}", timeout=10).status_code == 200
+        with requests.get(f"{server.url}/ui/events", stream=True, timeout=30) as stream:
+            lines = stream.iter_lines(decode_unicode=True)
+            assert next(lines) == "event: hello" and json.loads(next(lines).removeprefix("data: "))["kind"] == kind
+            started = time.monotonic()
+            server.process.terminate()
+            server.process.wait(timeout=20)
+            list(lines)  # the stream ends with the server
+        assert time.monotonic() - started < 15
+    assert server.process.returncode in CLEAN_EXIT_STATUSES
 
 
 def test_the_readme_block_reports_every_round_and_the_medians(tmp_path) -> None:
