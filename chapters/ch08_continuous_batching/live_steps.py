@@ -1,11 +1,13 @@
-"""What chapter 3's live page shows of the step loop: one ``step`` event per step, from the step thread.
+"""What chapter 3's live page shows of the step loop: ``step`` events, from the step thread.
 
 After a step in which something happened (tokens computed, a sequence finished or aborted), and
 only while someone watches (:attr:`~chapters.ch03_dynamic_batching.live_view.LiveEvents.watched`),
 the step thread reads the scheduler's state into plain data and hands it to the event loop. At most
 ``MAX_EVENTS_PER_S`` a second: a page draws no faster, and on fast hardware steps come quicker than
-that (what happened in between, who joined, left or was preempted, comes with the next event; the
-step after which the loop goes idle always has its event). An event holds:
+that. What a skipped step did still shows: who left (and the latencies) comes with the next event,
+who joined or was preempted as far as the difference between two events shows it (one that joined
+and left in between is only seen leaving); the step after which the loop goes idle always has its
+event. An event holds:
 
 - the step: how its token budget was split (decode rows, prompt chunks) and where its time went;
 - the running sequences (prompt length, tokens so far, blocks) and the head of the waiting queue;
