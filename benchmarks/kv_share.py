@@ -18,7 +18,6 @@ admitted while no request waited). The JSON it writes records both, the layout, 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import threading
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import requests
 
+from benchmarks.results import print_and_save
 from benchmarks.workload import DEFAULT_SEED, PromptStream, get_workload
 
 
@@ -126,11 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("load only a server on loopback")
     result = {"label": args.label, **run(args.url, args.users, args.seconds),
               "reproduce": "python -m benchmarks.kv_share " + " ".join(sys.argv[1:] if argv is None else argv)}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    print_and_save(result, args.out)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from typing import Any
 import httpx
 import psutil
 
+from benchmarks.results import print_and_save
 from benchmarks.streaming import WORKLOADS, harness_settings, run_closed_loop, summarize
 
 LIVE_CHAPTERS = ("ch03", "ch04", "ch05", "ch06", "ch07", "ch08")
@@ -171,12 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     if args.in_process:
-        result = {**in_process(args.sequences, args.samples, args.seed), "command": "python -m benchmarks.live_page_cost " + shlex.join(argv)}
-        text = json.dumps(result, indent=2)
-        print(text)
-        if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(text + "\n")
+        print_and_save({**in_process(args.sequences, args.samples, args.seed),
+                        "command": "python -m benchmarks.live_page_cost " + shlex.join(argv)}, args.out)
         return
     if args.users < 1 or args.rounds < 1 or args.viewers < 1 or args.duration_s <= 0:
         parser.error("--users, --rounds and --viewers must be at least 1 and --duration-s positive")
@@ -208,11 +205,7 @@ def main(argv: list[str] | None = None) -> None:
               "streamed": stream, "harness": harness, "rounds": rounds,
               "median_ratio": statistics.median(row["ratio"] for row in rounds),
               "median_cpu_per_request_ratio": statistics.median(row["cpu_per_request_ratio"] for row in rounds)}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    print_and_save(result, args.out)
 
 
 if __name__ == "__main__":

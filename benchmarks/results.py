@@ -356,6 +356,15 @@ def save_result(result: BenchmarkResult | OpenLoopResult, directory: Path) -> Pa
     return path
 
 
+def print_and_save(document: dict, out: Path | None) -> None:
+    """A side measurement's JSON (not a :class:`BenchmarkResult`): printed, and written to ``out`` where given."""
+    text = json.dumps(document, indent=2)
+    print(text)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+
+
 def _is_scalar(value: object) -> bool:
     return value is None or isinstance(value, (str, int, float, bool))
 

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import random
 import re
@@ -66,6 +65,7 @@ from typing import Any
 
 import httpx
 
+from benchmarks.results import print_and_save
 from benchmarks.workload import PROMPT_ID_RANGE, PROMPT_LENGTHS
 from benchmarks.workload import WORKLOADS as HARNESS_WORKLOADS
 
@@ -400,11 +400,7 @@ def main(argv: list[str] | None = None) -> None:
                     record.update(server_choices(server.url))
                     runs[variant.label].append(record)
         result["chapters"] = {label: median_round(rounds) for label, rounds in runs.items()}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    print_and_save(result, args.out)
 
 
 if __name__ == "__main__":

@@ -105,25 +105,30 @@ const STORY = "Once upon a time, in a small town by the sea, there lived an old 
 const SHARED = "You are a patient teacher. Answer in one short paragraph, plainly, without lists. " +
   "The reader is new to the subject and reads slowly. Keep every sentence short and concrete. Question: ";
 const BURSTS = {
-  short: () => Array.from({ length: 16 }, (_, i) => ({ prompt: `${i}: ${STORY.slice(0, 24)}`, max_new_tokens: 16 })),
-  long: () => Array.from({ length: 8 }, (_, i) => ({ prompt: `${i}: ${STORY}`, max_new_tokens: 240 })),
-  shared: () => Array.from({ length: 12 }, (_, i) => ({ prompt: `${SHARED}what is thing number ${i}?`, max_new_tokens: 32 })),
-  mixed: () => Array.from({ length: 24 }, (_, i) => ({ prompt: `${i} ${STORY.slice(0, 10 + (i * 7) % 60)}`, max_new_tokens: 8 + (i * 53) % 249 })),
+  short: ["16 short", () => Array.from({ length: 16 }, (_, i) => ({ prompt: `${i}: ${STORY.slice(0, 24)}`, max_new_tokens: 16 }))],
+  long: ["8 long", () => Array.from({ length: 8 }, (_, i) => ({ prompt: `${i}: ${STORY}`, max_new_tokens: 240 }))],
+  shared: ["12 with one shared prefix",
+           () => Array.from({ length: 12 }, (_, i) => ({ prompt: `${SHARED}what is thing number ${i}?`, max_new_tokens: 32 }))],
+  mixed: ["24 of mixed lengths",
+          () => Array.from({ length: 24 }, (_, i) => ({ prompt: `${i} ${STORY.slice(0, 10 + (i * 7) % 60)}`, max_new_tokens: 8 + (i * 53) % 249 }))],
 };
 
-/** Wire every `button[data-burst]`; the line under them says how the last burst went. */
+/** One button per burst, before `#burst-result`, which then says how the last burst went. */
 export function wireBursts() {
   const said = document.getElementById("burst-result");
-  for (const button of document.querySelectorAll("button[data-burst]")) {
+  for (const [name, [label, bodiesOf]] of Object.entries(BURSTS)) {
+    const button = Object.assign(document.createElement("button"), { textContent: label });
+    button.dataset.burst = name;
+    said.before(button);
     button.addEventListener("click", async () => {
-      const bodies = BURSTS[button.dataset.burst]();
-      said.textContent = `sent ${bodies.length} ${button.dataset.burst} requests…`;
+      const bodies = bodiesOf();
+      said.textContent = `sent ${bodies.length} ${name} requests…`;
       const answers = await Promise.all(bodies.map((body) =>
         fetch("/v1/inference", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) })
           .then((r) => r.status).catch(() => "network error")));
       const counts = {};
       for (const status of answers) counts[status] = (counts[status] || 0) + 1;
-      said.textContent = `${button.dataset.burst}: ` + Object.entries(counts).map(([s, n]) => `${n} × ${s}`).join(", ");
+      said.textContent = `${name}: ` + Object.entries(counts).map(([s, n]) => `${n} × ${s}`).join(", ");
     });
   }
 }
