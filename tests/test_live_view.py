@@ -141,7 +141,7 @@ def test_batcher_events_say_why_each_batch_left_and_carry_its_rows_and_counters(
         events = await drain(viewer)
         batches = [data for kind, data in events if kind == "batch"]
         assert [(b["size"], b["why"], b["full"]) for b in batches] == [
-            (3, "min_batch", False), (4, "min_batch", True), (4, "min_batch", True), (2, "window", False)]
+            (3, "min_batch", False), (4, "min_batch", True), (4, "device_busy", True), (2, "window", False)]
         assert batches[0]["rows"] == [[1, 10], [2, 20], [3, 30]]
         done = [data for kind, data in events if kind == "done"]
         assert [d["batch"] for d in done] == [1, 2, 3, 4] and all(not d["failed"] for d in done)

@@ -257,9 +257,11 @@ class DynamicBatcher(Generic[RequestT, ResultT]):
         return self.config.window_s
 
     def _why_now(self) -> str:
-        """Why the trigger fired: the page's label for the batch that leaves next."""
+        """Why the next batch leaves, for the live page: read when the trigger fires."""
         if self._closing:
             return "draining"
+        if not self._device_free.is_set():
+            return "device_busy"  # ready while a batch computes: it grows until the device is free (rule 5)
         return "min_batch" if len(self._queue) >= self.config.min_batch else "window"
 
     async def _wait_for_device(self) -> None:

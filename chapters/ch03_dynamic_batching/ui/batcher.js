@@ -1,7 +1,8 @@
 // Chapter 3's page: the queue, the window's timer, each batch as it leaves and why, and the lines.
 import { connect, show, everyFrame, colourOf, Line, Rate, RecentMedian, wireBursts } from "./live.js";
 
-const WHY_COLOURS = { full: "#3b6fd4", min_batch: "#4caf7a", window: "#e0a03b", draining: "#999" };
+const WHY_COLOURS = { full: "#3b6fd4", min_batch: "#4caf7a", window: "#e0a03b", device_busy: "#9b59b6", draining: "#999" };
+const plural = (n, word) => `${n} ${word}${n === 1 ? "" : "s"}`;
 const state = { config: null, queued: 0, oldestAt: null, windowMs: 0, batch: null, history: [], log: [], offset: null };
 const lines = {
   rps: new Line("line-rps", "requests answered", "/s"),
@@ -50,8 +51,8 @@ connect({
     state.history.push({ size: data.size, max: data.max_batch, why });
     state.history = state.history.slice(-120);
     const longest = Math.max(...data.rows.map(([p, n]) => p + n));
-    show("batch-why", `#${data.batch}: ${data.size} rows, longest ${longest} tokens, left because ${describeWhy(why, data)}`);
-    say(`batch ${data.batch}: ${data.size} requests (${why}) after ${data.waited_ms.toFixed(1)} ms`);
+    show("batch-why", `#${data.batch}: ${plural(data.size, "row")}, longest ${longest} tokens, left because ${describeWhy(why, data)}`);
+    say(`batch ${data.batch}: ${plural(data.size, "request")} (${why}) after ${data.waited_ms.toFixed(1)} ms`);
     show("stat-queued", data.queued);
     redraw();
   },
@@ -72,7 +73,9 @@ setInterval(redraw, 250);  // the timer and the lines move on even when nothing 
 
 function describeWhy(why, data) {
   return { full: `it reached max_batch (${data.max_batch})`, min_batch: "min_batch requests were waiting",
-           window: `its window (${data.window_ms.toFixed(1)} ms) closed`, draining: "the server is draining" }[why];
+           window: `its window (${data.window_ms.toFixed(1)} ms) closed`,
+           device_busy: "the device came free: it was ready while the batch ahead computed, and grew meanwhile",
+           draining: "the server is draining" }[why];
 }
 
 function draw() {
