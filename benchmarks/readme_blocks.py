@@ -585,6 +585,40 @@ def _event_cost_sentence(folder: Path) -> str:
             f"is **{run['cost_share_at_cap']:.1%}** of the server's time. Reproduce: `{run['command']}`.")
 
 
+def decode_attention_block(directory: Path) -> str:
+    """One layer's decode attention, every candidate side by side (``benchmarks.decode_attention``,
+    ``<dir>/ch08/decode-attention-<workload>.json``), and the rest of the step eager against compiled."""
+    files = sorted((directory / "ch08").glob("decode-attention-*.json")) if (directory / "ch08").exists() else []
+    if not files:
+        return (f"*No measurement yet: `python -m benchmarks.decode_attention --workload default --out "
+                f"{_repo_path(directory)}/ch08/decode-attention-default.json` records one.*")
+    runs = [json.loads(path.read_text()) for path in files]
+    names = list(runs[0]["attention"]["per_layer"])
+    lines = ["| workload | rows | block (tokens) | context median / max | bytes read (MB) | " + " | ".join(names) + " |",
+             "|---|---|---|---|---|" + "---|" * len(names)]
+    for run in runs:
+        part = run["attention"]
+        cells = [f"{part['per_layer'][n]['min_ms']:.2f} ({part['gb_per_s_at_min'][n]:.1f} GB/s)" for n in names]
+        lines.append(f"| {run['workload']} | {part['rows']} | {part['block_tokens']} | {part['context_median']:.0f} / {part['context_max']} "
+                     f"| {part['bytes_read_mb']:.1f} | " + " | ".join(cells) + " |")
+    text = "\n".join(lines) + (
+        "\n\nMilliseconds per layer, the fastest of each candidate's interleaved rounds (the bytes a step must read "
+        "divided by that time in brackets; `dense cache` reads its padding too).")
+    steps = [(run["workload"], run["step_without_attention"]) for run in runs if run.get("step_without_attention")]
+    if steps:
+        rows = ["| workload | tokens | eager (ms) | compiled (ms) | compiled / eager |", "|---|---|---|---|---|"]
+        for workload, part in steps:
+            for tokens, timing in part.items():
+                eager, compiled = timing["eager"]["min_ms"], timing["compiled"]["min_ms"]
+                rows.append(f"| {workload} | {tokens} | {eager:.2f} | {compiled:.2f} | {compiled / eager:.2f}× |")
+        text += ("\n\nThe rest of the packed step (every layer without its attention, and the output layer), eager "
+                 "and under `torch.compile` with dynamic token counts:\n\n" + "\n".join(rows))
+    first = runs[0]
+    return text + (f"\n\nOne torch thread, engine {first['attention']['engine']}, KV cache {first['attention']['kv_cache_dtype']}, "
+                   f"{first['rounds']} rounds, torch {first['torch']}, {first['cpu']}. Reproduce: "
+                   + "; ".join(f"`{run['command']}`" for run in runs) + ".")
+
+
 def render_key(key: str, results: Mapping[str, BenchmarkResult], directory: Path, readme: Path, profile: str) -> str:
     if key.endswith("-live-page-cost"):
         return live_page_cost_block(directory, key.removesuffix("-live-page-cost"))
@@ -608,6 +642,8 @@ def render_key(key: str, results: Mapping[str, BenchmarkResult], directory: Path
         return kv_share_block(directory)
     if key == "ch08-prefix-caching":
         return prefix_caching_block(directory)
+    if key == "ch08-decode-attention":
+        return decode_attention_block(directory)
     if key == "ch08-sampling":
         return sampling_block(directory)
     if key == "streaming":

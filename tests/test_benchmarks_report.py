@@ -6,6 +6,7 @@ No server, no Locust, no timing: every expected figure below is worked out by ha
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -240,6 +241,39 @@ def test_update_readmes_from_reference_results(tmp_path: Path):
     climb = text.split("<!-- results:climb -->")[1].split("<!-- /results -->")[0]
     assert "| ch02 | 25.0 |" in climb and "climb.png" in climb
     assert update_readmes([readme], profile="cpu", directory=reference) == []  # nothing left to change
+
+
+def test_every_block_the_renderer_knows_by_name_has_a_place_in_a_readme():
+    """A block deleted with the text around it (it happened once: a whole lesson went with it) leaves
+    its renderer unused; every name ``render_key`` answers must still be placed in some README."""
+    import inspect
+
+    from benchmarks import readme_blocks
+
+    source = inspect.getsource(readme_blocks.render_key)
+    named = set(re.findall(r'key == "([^"]+)"', source))
+    named |= {f"{chapter}-live-page-cost" for chapter in ("ch03", "ch08")}  # the suffix rule's two pages
+    placed = {key for readme in readme_blocks.default_readmes() for key in block_keys(readme.read_text())}
+    assert named and named <= placed, f"blocks no README places any more: {sorted(named - placed)}"
+
+
+def test_the_decode_attention_block_shows_every_candidate_and_the_compiled_step(tmp_path: Path):
+    from benchmarks.readme_blocks import decode_attention_block
+
+    timing = lambda ms: {"min_ms": ms, "median_ms": ms * 1.5}  # noqa: E731
+    run = {"workload": "default", "rounds": 3, "torch": "2.x", "cpu": "a CPU", "command": "python -m benchmarks.decode_attention",
+           "attention": {"engine": "eager/bf16", "kv_cache_dtype": "bfloat16", "rows": 64, "block_tokens": 16,
+                         "context_median": 53, "context_max": 155, "bytes_read_mb": 4.5,
+                         "per_layer": {"flex": timing(2.5), "copy": timing(1.5)},
+                         "gb_per_s_at_min": {"flex": 1.8, "copy": 3.0}},
+           "step_without_attention": {"64": {"eager": timing(8.0), "compiled": timing(10.0)}}}
+    (tmp_path / "ch08").mkdir()
+    (tmp_path / "ch08" / "decode-attention-default.json").write_text(json.dumps(run))
+    text = decode_attention_block(tmp_path)
+    assert "| default | 64 | 16 | 53 / 155 | 4.5 | 2.50 (1.8 GB/s) | 1.50 (3.0 GB/s) |" in text
+    assert "| default | 64 | 8.00 | 10.00 | 1.25× |" in text  # 10 / 8
+    assert "`python -m benchmarks.decode_attention`" in text
+    assert "No measurement yet" in decode_attention_block(tmp_path / "elsewhere")
 
 
 def test_block_keys_may_name_their_profile():

@@ -212,9 +212,19 @@ def test_events_come_at_most_so_often_yet_none_of_what_happened_is_lost_and_the_
 
 # -- a real server ------------------------------------------------------------------------------
 
-def test_a_server_with_the_page_open_exits_promptly_on_sigterm() -> None:
-    """The page's stream never ends by itself; uvicorn would wait for it without ``LiveViewServer``."""
+def test_the_page_and_its_files_are_served_and_nothing_else_and_an_open_page_ends_with_the_server() -> None:
+    """One start of chapter 3: its files (and nothing else), then SIGTERM with the page open.
+
+    The page's stream never ends by itself; uvicorn would wait for it without ``LiveViewServer``.
+    """
     with running_server("ch03") as server:
+        assert f"live page: {server.url}/ui/" in server.log_tail()  # what `make serve` shows a learner
+        page = requests.get(f"{server.url}/ui/", timeout=10)
+        assert page.status_code == 200 and 'src="batcher.js"' in page.text
+        for name in ("batcher.js", "live.js", "live.css"):
+            assert requests.get(f"{server.url}/ui/{name}", timeout=10).status_code == 200
+        for name in ("server.py", "..%2Fserver.py", "steps.js", "nothing.js"):
+            assert requests.get(f"{server.url}/ui/{name}", timeout=10).status_code == 404, name
         with requests.get(f"{server.url}/ui/events", stream=True, timeout=30) as stream:
             lines = stream.iter_lines(decode_unicode=True)
             assert next(lines) == "event: hello"
@@ -224,17 +234,6 @@ def test_a_server_with_the_page_open_exits_promptly_on_sigterm() -> None:
             assert list(lines)[-1:] in ([], [""])  # the stream ended cleanly with the server
         assert time.monotonic() - started < 10
     assert server.process.returncode in CLEAN_EXIT_STATUSES
-
-
-def test_the_page_and_its_files_are_served_and_nothing_else() -> None:
-    with running_server("ch03") as server:
-        assert f"live page: {server.url}/ui/" in server.log_tail()  # what `make serve` shows a learner
-        page = requests.get(f"{server.url}/ui/", timeout=10)
-        assert page.status_code == 200 and 'src="batcher.js"' in page.text
-        for name in ("batcher.js", "live.js", "live.css"):
-            assert requests.get(f"{server.url}/ui/{name}", timeout=10).status_code == 200
-        for name in ("server.py", "..%2Fserver.py", "steps.js", "nothing.js"):
-            assert requests.get(f"{server.url}/ui/{name}", timeout=10).status_code == 404, name
 
 
 @pytest.mark.parametrize(("chapter", "script", "kind"), [("ch07", "batcher.js", "batcher"), ("ch08", "steps.js", "steps")])
