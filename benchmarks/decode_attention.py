@@ -15,8 +15,8 @@ each candidate reading the SAME contexts:
 ``dense cache``     SDPA over a contiguous ``(rows, heads, longest, head_dim)`` cache with a padding
                     mask: chapter 6's layout, no paging at all; what a library kernel reaches when
                     the keys lie in one piece
-``copy``            ``index_select`` of exactly the blocks the step reads (keys and values): what
-                    moving those bytes costs on this machine, the floor every candidate pays
+``copy``            ``index_select`` of exactly the blocks the step reads (keys and values): the
+                    copy ``gather`` makes before its SDPA (a copy reads the bytes and writes them)
 
 Contexts are what a closed loop of the workload holds: a prompt of the workload's lengths plus a
 uniform share of its answer. Block tables are scattered over the pool, as a busy pool scatters them.
@@ -155,11 +155,12 @@ def attention_part(workload: str, rows: int, rounds: int, precision: str, seed: 
     }, rounds)
     element = torch.empty((), dtype=kv_dtype).element_size()
     bytes_read = sum(lens) * config.n_embd * 2 * element
+    dense_bytes = rows * longest * config.n_embd * 2 * element  # the padded cache SDPA reads
     store.close()
     return {
         "kv_cache_dtype": str(kv_dtype).removeprefix("torch."), "engine": engine.label, "rows": rows,
         "block_tokens": size, "context_median": statistics.median(lens), "context_max": longest,
-        "bytes_read_mb": round(bytes_read / 1e6, 2), "per_layer": timings,
+        "bytes_read_mb": round(bytes_read / 1e6, 2), "dense_cache_bytes_mb": round(dense_bytes / 1e6, 2), "per_layer": timings,
         "gb_per_s_at_min": {name: round(bytes_read / (t["min_ms"] / 1e3) / 1e9, 2) for name, t in timings.items()},
     }
 

@@ -592,7 +592,8 @@ def decode_attention_block(directory: Path) -> str:
     if not files:
         return (f"*No measurement yet: `python -m benchmarks.decode_attention --workload default --out "
                 f"{_repo_path(directory)}/ch08/decode-attention-default.json` records one.*")
-    runs = [json.loads(path.read_text()) for path in files]
+    runs = sorted((json.loads(path.read_text()) for path in files),
+                  key=lambda run: (run["workload"], run["attention"]["block_tokens"]))
     names = list(runs[0]["attention"]["per_layer"])
     lines = ["| workload | rows | block (tokens) | context median / max | bytes read (MB) | " + " | ".join(names) + " |",
              "|---|---|---|---|---|" + "---|" * len(names)]
@@ -604,6 +605,16 @@ def decode_attention_block(directory: Path) -> str:
     text = "\n".join(lines) + (
         "\n\nMilliseconds per layer, the fastest of each candidate's interleaved rounds (the bytes a step must read "
         "divided by that time in brackets; `dense cache` reads its padding too).")
+    for run in runs:
+        part = run["attention"]
+        dense, flex = part["per_layer"].get("dense cache"), part["per_layer"].get("flex kernel")
+        if dense and flex and part.get("dense_cache_bytes_mb"):
+            rate = part["dense_cache_bytes_mb"] / dense["min_ms"]  # MB per ms = GB/s
+            at_rate = part["bytes_read_mb"] / rate
+            text += (f"\n\n`{run['workload']}`, blocks of {part['block_tokens']}: SDPA reads the contiguous cache, padding "
+                     f"included ({part['dense_cache_bytes_mb']:.1f} MB), at {rate:.1f} GB/s; at that rate the step's own "
+                     f"{part['bytes_read_mb']:.1f} MB would take {at_rate:.2f} ms, against {flex['min_ms']:.2f} ms for the "
+                     f"in-place kernel: at most **{flex['min_ms'] / at_rate:.1f}×** to gain on this layer's decode attention.")
     steps = [(run["workload"], run["step_without_attention"]) for run in runs if run.get("step_without_attention")]
     if steps:
         rows = ["| workload | tokens | eager (ms) | compiled (ms) | compiled / eager |", "|---|---|---|---|---|"]
