@@ -176,7 +176,7 @@ def sampling_rounds(rounds: int, steps: int, attention: str, precision: str, wor
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.profile_ch08", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--attention", default="auto", choices=("auto", "gather", "flex"))
+    parser.add_argument("--attention", default="auto", choices=("auto", "gather", "flex", "kernel"))
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "int8"))
     parser.add_argument("--workload", default="default", choices=sorted(NEW_TOKENS))
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp32", "bf16"))

@@ -264,15 +264,17 @@ def test_the_decode_attention_block_shows_every_candidate_and_the_compiled_step(
     run = {"workload": "default", "rounds": 3, "torch": "2.x", "cpu": "a CPU", "command": "python -m benchmarks.decode_attention",
            "attention": {"engine": "eager/bf16", "kv_cache_dtype": "bfloat16", "rows": 64, "block_tokens": 16,
                          "context_median": 53, "context_max": 155, "bytes_read_mb": 4.5, "dense_cache_bytes_mb": 12.0,
-                         "per_layer": {"flex": timing(2.5), "flex kernel": timing(1.5), "dense cache": timing(2.0)},
-                         "gb_per_s_at_min": {"flex": 1.8, "flex kernel": 3.0, "dense cache": 2.2}},
+                         "per_layer": {"flex": timing(2.5), "flex kernel": timing(1.5), "dense cache": timing(2.0),
+                                       "kernel call": timing(0.6)},
+                         "gb_per_s_at_min": {"flex": 1.8, "flex kernel": 3.0, "dense cache": 2.2, "kernel call": 7.5}},
            "step_without_attention": {"64": {"eager": timing(8.0), "compiled": timing(10.0)}}}
     (tmp_path / "ch08").mkdir()
     (tmp_path / "ch08" / "decode-attention-default.json").write_text(json.dumps(run))
     text = decode_attention_block(tmp_path)
-    assert "| default | 64 | 16 | 53 / 155 | 4.5 | 2.50 (1.8 GB/s) | 1.50 (3.0 GB/s) | 2.00 (2.2 GB/s) |" in text
+    assert "| default | 64 | 16 | 53 / 155 | 4.5 | 2.50 (1.8 GB/s) | 1.50 (3.0 GB/s) | 2.00 (2.2 GB/s) | 0.60 (7.5 GB/s) |" in text
     # dense: 12 MB in 2 ms = 6 GB/s; the step's 4.5 MB at 6 GB/s = 0.75 ms; the kernel's 1.5 ms / 0.75 = 2.0x
     assert "at 6.0 GB/s" in text and "would take 0.75 ms, against 1.50 ms" in text and "**2.0×**" in text
+    assert "own kernel took 0.60 ms: **2.5×** faster" in text  # 1.5 / 0.6
     assert "| default | 64 | 8.00 | 10.00 | 1.25× |" in text  # 10 / 8
     assert "`python -m benchmarks.decode_attention`" in text
     assert "No measurement yet" in decode_attention_block(tmp_path / "elsewhere")

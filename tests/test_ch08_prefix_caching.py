@@ -260,6 +260,7 @@ def shared_prefix_requests(seed: int) -> list[tuple[list[int], int]]:
     ("gather", 528),
     pytest.param("flex", 4096, marks=pytest.mark.slow),
     ("flex", 528),
+    ("kernel", 528),
 ])
 def test_concurrent_requests_sharing_long_prefixes_get_the_oracles_tokens(default_model, oracle, attention: str,
                                                                            pool_tokens: int) -> None:

@@ -110,7 +110,7 @@ def run_sequences(default_model, seqs: list[Sequence], attention: str = "gather"
     assert store.manager.free_blocks == store.manager.total_blocks
 
 
-@pytest.mark.parametrize("attention", ["gather", "flex"])
+@pytest.mark.parametrize("attention", ["gather", "flex", "kernel"])
 def test_a_seeded_request_gets_the_reference_samplers_tokens_alone_and_batched(default_model, oracle, attention: str) -> None:
     params = SamplingParams(temperature=1.0, top_p=0.95, top_k=40, seed=42)
     wanted = reference_sampled(default_model.model, PROMPT, 24, seed=42, temperature=1.0, top_k=40, top_p=0.95)

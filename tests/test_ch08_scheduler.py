@@ -236,7 +236,7 @@ def test_64_concurrent_mixed_requests_get_the_oracles_tokens(default_model, orac
                          mixed_requests(64, seed=64, max_new=64))
 
 
-@pytest.mark.parametrize("attention", ["gather", "flex"])
+@pytest.mark.parametrize("attention", ["gather", "flex", "kernel"])
 def test_every_attention_backend_reads_the_paged_cache_right_through_the_fake_model(attention: str) -> None:
     # scattered tables, chunked prefill beside decodes, preemption: the fake model's sums see every slot
     scheduler, model = fake_setup(max_num_seqs=3, budget=8, blocks=16, block_tokens=4, attention=attention)
@@ -245,11 +245,23 @@ def test_every_attention_backend_reads_the_paged_cache_right_through_the_fake_mo
     assert scheduler.stats.preemptions > 0
 
 
-@pytest.mark.parametrize("attention", ["flex"])
-def test_flex_attention_gives_the_oracles_tokens_under_chunked_prefill_and_preemption(default_model, oracle, attention: str) -> None:
+@pytest.mark.parametrize("attention", ["flex", "kernel"])
+def test_the_in_place_backends_give_the_oracles_tokens_under_chunked_prefill_and_preemption(default_model, oracle, attention: str) -> None:
     scheduler, runner = real_setup(default_model, "grow", 528, max_num_seqs=8, budget=64, attention=attention)
     check_against_oracle(default_model, oracle, (scheduler, runner), mixed_requests(12, seed=8, max_new=32))
     assert scheduler.stats.preemptions > 0
+
+
+def test_the_kernel_backend_says_why_it_cannot_run_without_a_compiler_or_when_the_build_fails(tmp_path) -> None:
+    from chapters.ch08_continuous_batching.paged_attention import KernelUnavailable, build_kernel
+
+    with pytest.raises(KernelUnavailable, match="C compiler"):
+        build_kernel(compiler=str(tmp_path / "no-such-cc"), cache=tmp_path)
+    with pytest.raises(KernelUnavailable, match="paged_decode.c with .*false failed"):
+        build_kernel(compiler="false", cache=tmp_path)  # a "compiler" that exits 1
+    assert not list(tmp_path.iterdir())  # nothing half-built left behind
+    library = build_kernel(cache=tmp_path)  # the machine's own: built, then found
+    assert [p.suffix for p in tmp_path.iterdir()] == [".so"] and library.paged_decode_bf16 is not None
 
 
 def addition_accuracy(model, store: PagedKVStore, attention: str, pairs: list[tuple[int, int]]) -> float:
@@ -267,7 +279,7 @@ def addition_accuracy(model, store: PagedKVStore, attention: str, pairs: list[tu
     return sum(answer == reversed_sum(a, b) for answer, (a, b) in zip(answers, pairs)) / len(pairs)
 
 
-@pytest.mark.parametrize("attention", ["gather", "flex"])
+@pytest.mark.parametrize("attention", ["gather", "flex", "kernel"])
 def test_a_bf16_kv_cache_under_the_bf16_engine_keeps_the_task_accuracy_within_chapter_5s_tolerance(default_model, attention: str) -> None:
     # the oracle is the fp32 model's own score on the task (shared.corpus.evaluate), not chapter 8's
     pairs = HELD_OUT_PAIRS[:PROBE_PAIRS]

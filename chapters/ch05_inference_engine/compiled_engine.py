@@ -93,7 +93,3 @@ def _compiled_graphs() -> int:
 def _compiler_available() -> bool:
     return shutil.which(os.environ.get("CXX", "g++")) is not None or shutil.which("c++") is not None
 
-
-@torch.no_grad()
-def _compiler_available() -> bool:
-    return shutil.which(os.environ.get("CXX", "g++")) is not None or shutil.which("c++") is not None

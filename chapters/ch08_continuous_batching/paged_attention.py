@@ -25,16 +25,31 @@ Two backends do step 2 (``--attention``); both are tested token-exact against th
             C++ compiler; where either is missing it is unavailable, with the reason. Each new
             batch-size bucket (16, 32, 64, ... decode rows) compiles once, a few seconds.
 
+``kernel``  the decode rows through this chapter's own C kernel (``paged_decode.c``), reading the pool
+            in place: one call per layer for all decode rows, each row's softmax computed over the
+            whole row at once, no mask object and no library call per block. Built once per machine
+            with the system's C compiler and loaded with ctypes (which lets go of the GIL while it
+            runs); where no compiler is found it is unavailable, with the reason. CPU, fp32 or bf16
+            caches. Prompt chunks as ``gather``.
+
 Which one serves by default is measured (:func:`choose_attention`), as chapter 5 picks its engine.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import hashlib
 import logging
+import math
+import os
 import random
+import shutil
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -288,6 +303,116 @@ class _FlexBucket:
         self.last_offset[:n] = position % size
 
 
+class KernelUnavailable(RuntimeError):
+    """The C kernel cannot be built or loaded here; the message says why."""
+
+
+KERNEL_SOURCE = Path(__file__).with_name("paged_decode.c")
+KERNEL_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC")
+_POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
+_KERNEL_ARGUMENTS = [_POINTER, _POINTER, _POINTER, _POINTER, _INT, _POINTER, _INT, _INT, _INT, _INT, ctypes.c_float,
+                     _POINTER, _POINTER]
+
+
+def build_kernel(compiler: str | None = None, cache: Path | None = None) -> ctypes.CDLL:
+    """``paged_decode.c`` compiled for this machine and loaded; built once, then found in ``cache``.
+
+    The file name carries a digest of the source, the flags, the compiler and the CPU's feature flags
+    (``-march=native`` code must not run on another CPU). Raises :class:`KernelUnavailable` with the
+    reason when there is no compiler or the build fails.
+    """
+    compiler = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler or shutil.which(compiler) is None:
+        raise KernelUnavailable(f"the kernel backend is built with a C compiler ($CC, cc or gcc), and none was found"
+                                f"{f' ({compiler!r})' if compiler else ''}")
+    try:
+        cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        cpu = ""
+    digest = hashlib.sha256("\0".join([KERNEL_SOURCE.read_text(), *KERNEL_FLAGS, compiler, cpu]).encode()).hexdigest()[:16]
+    cache = cache or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "serving-from-scratch"
+    target = cache / f"paged_decode-{digest}.so"
+    if not target.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")  # two servers building at once: each renames its own
+        done = subprocess.run([compiler, *KERNEL_FLAGS, "-o", str(partial), str(KERNEL_SOURCE), "-lm"],
+                              capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            partial.unlink(missing_ok=True)
+            raise KernelUnavailable(f"building {KERNEL_SOURCE.name} with {compiler} failed: {done.stderr.strip()[-400:]}")
+        os.replace(partial, target)
+    library = ctypes.CDLL(str(target))
+    for function in KernelAttention.FUNCTIONS.values():
+        getattr(library, function).argtypes = _KERNEL_ARGUMENTS
+        getattr(library, function).restype = None
+    return library
+
+
+@functools.cache
+def _kernel_library() -> ctypes.CDLL:
+    return build_kernel()
+
+
+class KernelAttention(GatherAttention):
+    """Decode rows through ``paged_decode.c`` reading the pool in place; prompt chunks as :class:`GatherAttention`.
+
+    Each step, :meth:`bind` makes the decode rows' block tables one int32 tensor (rows, widest), offset
+    to the pool's first block, and their context lengths; each layer then writes the new keys and
+    values and makes ONE kernel call for every decode row (the queries in fp32, (rows, heads, head_dim)).
+    """
+
+    name = "kernel"
+    FUNCTIONS = {torch.float32: "paged_decode_fp32", torch.bfloat16: "paged_decode_bf16"}
+
+    def __init__(self, store: PagedKVStore) -> None:
+        super().__init__(store)
+        dtype = store.pool.storage.dtype
+        if store.device.type != "cpu" or dtype not in self.FUNCTIONS:
+            raise ValueError(f"the kernel backend runs on the CPU over an fp32 or bf16 cache, not {store.device} {dtype}")
+        self._decode = getattr(_kernel_library(), self.FUNCTIONS[dtype])
+        self._scratch = torch.empty(store.config.n_ctx, dtype=torch.float32)  # one row's scores
+        self._scale = 1.0 / math.sqrt(self.head_dim)
+
+    @staticmethod
+    def unavailable_reason() -> str | None:
+        try:
+            _kernel_library()
+        except KernelUnavailable as error:
+            return str(error)
+        return None
+
+    def bind(self, inputs: PackedInputs) -> Attend:
+        decodes, size = inputs.num_decodes, self.store.block_tokens
+        chunks = GatherAttention.bind(self, _without_decodes(inputs))
+        if not decodes:
+            return chunks
+        lens = inputs.context_lens[:decodes]
+        used = [-(-context // size) for context in lens]
+        widest = max(used)
+        flat: list[int] = []
+        for blocks, count in zip(inputs.block_tables, used):
+            flat += blocks[:count]
+            flat += [0] * (widest - count)
+        tables = torch.tensor(flat, dtype=torch.int32).view(decodes, widest) + self.store.first_block
+        lens_tensor = torch.tensor(lens, dtype=torch.int32)
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            self.write(layer, k[:, :, :decodes], v[:, :, :decodes], inputs.slot_mapping[:decodes])
+            out = torch.empty_like(q)
+            if decodes < q.shape[2]:
+                out[:, :, decodes:] = chunks(layer, q[:, :, decodes:], k[:, :, decodes:], v[:, :, decodes:])
+            queries = q[0, :, :decodes].transpose(0, 1).to(torch.float32).contiguous()  # (rows, heads, head_dim)
+            result = torch.empty_like(queries)
+            keys, values = self.store.plane(layer, 0), self.store.plane(layer, 1)
+            self._decode(queries.data_ptr(), keys.data_ptr(), values.data_ptr(), tables.data_ptr(), widest,
+                         lens_tensor.data_ptr(), decodes, self.heads, self.head_dim, size, self._scale,
+                         self._scratch.data_ptr(), result.data_ptr())
+            out[0, :, :decodes] = result.transpose(0, 1).to(q.dtype)
+            return out
+
+        return attend
+
+
 def _without_decodes(inputs: PackedInputs) -> PackedInputs:
     """``inputs`` with the decode rows taken out (the prompt chunks' tokens renumbered from 0)."""
     d = inputs.num_decodes
@@ -299,8 +424,10 @@ def _without_decodes(inputs: PackedInputs) -> PackedInputs:
     )
 
 
-BACKENDS: dict[str, Callable[[PagedKVStore], PagedAttention]] = {"gather": GatherAttention, "flex": FlexAttention}
-ATTENTION_CHOICES = Literal["auto", "gather", "flex"]
+BACKENDS: dict[str, Callable[[PagedKVStore], PagedAttention]] = {
+    "gather": GatherAttention, "flex": FlexAttention, "kernel": KernelAttention,
+}
+ATTENTION_CHOICES = Literal["auto", "gather", "flex", "kernel"]
 
 RULE = (
     "Time one packed decode step of the model (max_num_seqs sequences of PROBE_CONTEXT positions each, "
@@ -344,8 +471,11 @@ def _by_the_rule(store: PagedKVStore, model: GPT, max_num_seqs: int) -> PagedAtt
         reason = unavailable_reason(candidate)
         if reason:
             log.warning("attention %s cannot run here: %s", candidate, reason)
-        else:
+            continue
+        try:
             candidates[candidate] = BACKENDS[candidate](store)
+        except ValueError as error:  # e.g. the kernel on a GPU pool
+            log.warning("attention %s cannot run here: %s", candidate, error)
     if len(candidates) == 1:
         return candidates["gather"]
     timings = {candidate: measure_decode_step(model, store, backend, max_num_seqs) for candidate, backend in candidates.items()}

@@ -82,7 +82,7 @@ class SchedulerOptions(BaseSettings):
     max_num_seqs: int = Field(64, ge=1, description="sequences running at once (rows of a decode step); also the pool rule's concurrency")
     max_num_batched_tokens: int = Field(512, ge=1, description="tokens one step computes: decodes + prefill chunks (>= max_num_seqs)")
     kv_policy: KVPolicy = Field("grow", description="grow: blocks as needed, preempt by recompute | reserve: prompt + max_new at admission")
-    attention: ATTENTION_CHOICES = Field("auto", description="paged attention backend: auto (measured, paged_attention.py) | gather | flex")
+    attention: ATTENTION_CHOICES = Field("auto", description="paged attention backend: auto (measured, paged_attention.py) | gather | flex | kernel")
     kv_cache_dtype: KV_CACHE_DTYPES = Field("auto", description=f"dtype of the paged pool's keys and values: {KV_CACHE_RULE} | fp32 | bf16")
     prefix_caching: Literal["on", "off"] = Field(
         "on", description="on: a request reuses the cached KV blocks of a prefix already computed (full blocks, by their tokens) | off")
