@@ -264,6 +264,39 @@ def test_the_kernel_backend_says_why_it_cannot_run_without_a_compiler_or_when_th
     assert [p.suffix for p in tmp_path.iterdir()] == [".so"] and library.paged_decode_bf16 is not None
 
 
+def test_the_attention_rule_times_the_backends_in_turns_and_serves_the_fastest_only_past_its_margin(monkeypatch) -> None:
+    from chapters.ch08_continuous_batching import paged_attention
+
+    scheduler, runner = fake_setup(max_num_seqs=4, budget=16, blocks=64)
+    store, order = runner.store, []
+
+    def recording(label: str) -> type:
+        class Recording(paged_attention.GatherAttention):
+            def bind(self, inputs):
+                order.append(label)
+                return super().bind(inputs)
+        Recording.__name__ = f"Recording_{label}"
+        return Recording
+
+    backends = {"a": recording("a")(store), "b": recording("b")(store)}
+    timings = paged_attention.measure_decode_steps(runner.model, store, backends, sequences=2, repeats=3)
+    assert order == ["a", "b"] * 4  # one unmeasured step each, then three rounds taking turns
+    assert set(timings) == {"a", "b"} and store.manager.free_blocks == store.manager.total_blocks
+
+    class Broken(paged_attention.GatherAttention):
+        def __init__(self, store):
+            raise ValueError("not on this pool")
+
+    monkeypatch.setattr(paged_attention, "BACKENDS", {"gather": paged_attention.GatherAttention, "near": recording("near"),
+                                                      "fast": recording("fast"), "broken": Broken})
+    measured = {}
+    monkeypatch.setattr(paged_attention, "measure_decode_steps", lambda model, store, candidates, rows: measured[frozenset(candidates)])
+    measured[frozenset({"gather", "near", "fast"})] = {"gather": 1.0, "near": 0.95, "fast": 0.5}
+    assert type(paged_attention._by_the_rule(store, runner.model, 4)).__name__ == "Recording_fast"  # 2x gather
+    measured[frozenset({"gather", "near", "fast"})] = {"gather": 1.0, "near": 0.95, "fast": 0.93}
+    assert type(paged_attention._by_the_rule(store, runner.model, 4)) is paged_attention.GatherAttention  # within 10 %
+
+
 def addition_accuracy(model, store: PagedKVStore, attention: str, pairs: list[tuple[int, int]]) -> float:
     """Exact-match accuracy of the held-out additions (:func:`shared.corpus.evaluate`'s task) served by
     chapter 8's step loop: four greedy tokens per prompt, every decode reading the paged cache."""

@@ -431,10 +431,10 @@ ATTENTION_CHOICES = Literal["auto", "gather", "flex", "kernel"]
 
 RULE = (
     "Time one packed decode step of the model (max_num_seqs sequences of PROBE_CONTEXT positions each, "
-    "blocks scattered over the pool) with every backend that can run here, median of PROBE_REPEATS; serve "
-    "the fastest if it beats gather by MIN_SPEEDUP, else gather (the readable one)."
+    "blocks scattered over the pool) with every backend that can run here, taking turns for PROBE_REPEATS "
+    "rounds, median per backend; serve the fastest if it beats gather by MIN_SPEEDUP, else gather (the readable one)."
 )
-PROBE_CONTEXT, PROBE_REPEATS, MIN_SPEEDUP = 128, 5, 1.10
+PROBE_CONTEXT, PROBE_REPEATS, MIN_SPEEDUP = 128, 7, 1.10
 
 
 def unavailable_reason(name: str) -> str | None:
@@ -478,7 +478,7 @@ def _by_the_rule(store: PagedKVStore, model: GPT, max_num_seqs: int) -> PagedAtt
             log.warning("attention %s cannot run here: %s", candidate, error)
     if len(candidates) == 1:
         return candidates["gather"]
-    timings = {candidate: measure_decode_step(model, store, backend, max_num_seqs) for candidate, backend in candidates.items()}
+    timings = measure_decode_steps(model, store, candidates, max_num_seqs)
     best = min(timings, key=timings.get)
     chosen = best if timings[best] * MIN_SPEEDUP <= timings["gather"] else "gather"
     log.info("attention %s, by the rule over: %s", chosen, ", ".join(f"{n} {t * 1e3:.1f} ms/step" for n, t in timings.items()))
@@ -486,10 +486,18 @@ def _by_the_rule(store: PagedKVStore, model: GPT, max_num_seqs: int) -> PagedAtt
 
 
 def measure_decode_step(model: GPT, store: PagedKVStore, backend: PagedAttention, sequences: int, repeats: int = PROBE_REPEATS) -> float:
-    """Seconds for one packed decode step of ``sequences`` rows through ``backend`` (the rule's probe).
+    """Seconds for one packed decode step of ``sequences`` rows through ``backend`` (see :func:`measure_decode_steps`)."""
+    return measure_decode_steps(model, store, {backend.name: backend}, sequences, repeats)[backend.name]
 
-    The probe's sequences take blocks from the store, scattered as a busy pool scatters them, and
-    give them back before this returns.
+
+def measure_decode_steps(model: GPT, store: PagedKVStore, backends: dict[str, PagedAttention], sequences: int,
+                         repeats: int = PROBE_REPEATS) -> dict[str, float]:
+    """Median seconds of one packed decode step of ``sequences`` rows through each backend (the rule's probe).
+
+    The backends take turns, one step each per round, after one unmeasured step each (compilation,
+    first touch): a machine that slows down for a moment slows every candidate's round alike, instead
+    of all the samples of one of them. The probe's sequences take blocks from the store, scattered as a
+    busy pool scatters them, and give them back before this returns.
     """
     manager, rng = store.manager, random.Random(0)
     context = min(PROBE_CONTEXT, store.config.n_ctx)
@@ -511,8 +519,18 @@ def measure_decode_step(model: GPT, store: PagedKVStore, backend: PagedAttention
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             logits_indices=torch.arange(sequences, device=device), num_decodes=sequences,
         )
-        return time_it(lambda: model.forward_packed(inputs.input_ids, inputs.positions, backend.bind(inputs), inputs.logits_indices),
-                       repeats)
+        steps = {name: (lambda backend=backend: model.forward_packed(inputs.input_ids, inputs.positions, backend.bind(inputs),
+                                                                     inputs.logits_indices))
+                 for name, backend in backends.items()}
+        for step in steps.values():
+            step()
+        samples: dict[str, list[float]] = {name: [] for name in steps}
+        for _ in range(repeats):
+            for name, step in steps.items():
+                started = time.perf_counter()
+                step()
+                samples[name].append(time.perf_counter() - started)
+        return {name: sorted(times)[len(times) // 2] if times else 0.0 for name, times in samples.items()}
     finally:
         for seq_id in ids:
             manager.free(seq_id)
@@ -523,14 +541,3 @@ def build_attention(name: str, store: PagedKVStore) -> PagedAttention:
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(BACKENDS)}")
     return BACKENDS[name](store)
-
-
-def time_it(call: Callable[[], object], repeats: int) -> float:
-    """Median seconds of ``repeats`` calls, after one unmeasured call (compilation, first-touch)."""
-    call()
-    samples = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        call()
-        samples.append(time.perf_counter() - started)
-    return sorted(samples)[len(samples) // 2] if samples else 0.0
