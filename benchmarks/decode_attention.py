@@ -54,7 +54,9 @@ from benchmarks.results import print_and_save
 from chapters.ch04_memory_pool.memory_pool import KVMemoryPool
 from chapters.ch05_inference_engine.engine import build_eager
 from chapters.ch08_continuous_batching.model_runner import packed_model
-from chapters.ch08_continuous_batching.paged_attention import FlexAttention, GatherAttention, KernelAttention, PackedInputs
+from chapters.ch08_continuous_batching.paged_attention import (
+    FlexAttention, GatherAttention, KernelAttention, PackedInputs, block_table_tensor,
+)
 from chapters.ch08_continuous_batching.paged_cache import PagedKVStore, kv_cache_dtype
 from chapters.ch08_continuous_batching.server import ContinuousSettings
 from shared.weights import load_model
@@ -126,8 +128,7 @@ def attention_part(workload: str, rows: int, rounds: int, precision: str, seed: 
 
     flex, gather, kernel = FlexAttention(store), GatherAttention(store), KernelAttention(store)
     flex_attend, gather_attend, kernel_attend = flex.bind(inputs), gather.bind(inputs), kernel.bind(inputs)
-    kernel_tables = torch.tensor([table[: -(-c // size)] + [0] * (-(-max(lens) // size) - -(-c // size))
-                                  for table, c in zip(tables, lens)], dtype=torch.int32) + store.first_block
+    kernel_tables = block_table_tensor(tables, lens, size, store.first_block)
     kernel_lens, kernel_out = torch.tensor(lens, dtype=torch.int32), torch.empty(rows, heads, head_dim)
     kernel_scratch = torch.empty(config.n_ctx)
     bucket = flex._buckets[max(FlexAttention.MIN_BUCKET, 1 << (rows - 1).bit_length())]

@@ -10,7 +10,7 @@ sequence's queries start, its context length, its block table, the slot of every
    the slot mapping: a scatter, one row per token);
 2. **attends**: each query reads its own sequence's keys and values through the block table.
 
-Two backends do step 2 (``--attention``); both are tested token-exact against the oracle:
+Three backends do step 2 (``--attention``); each is tested token-exact against the oracle:
 
 ``gather``  the readable version. Each decoding sequence's blocks are copied out of the pool, whole
             blocks at a time (``index_select`` over the pool viewed as one row per block), into a
@@ -112,6 +112,22 @@ class PagedAttention:
         return plane.view(-1, self.store.block_tokens * plane.shape[1])
 
 
+def block_table_tensor(tables: list[list[int]], context_lens: list[int], block_tokens: int, first_block: int) -> Tensor:
+    """The rows' block tables as one int32 tensor ``(rows, widest)``, offset to the pool's first block.
+
+    Row ``i`` lists the first ``-(-context_lens[i] // block_tokens)`` blocks of its table (the ones its
+    positions lie in), padded with the first block. One flat list, one tensor: a tensor per row cost
+    more than the rest of a step's preparation.
+    """
+    used = [-(-context // block_tokens) for context in context_lens]
+    widest = max(used)
+    flat: list[int] = []
+    for blocks, count in zip(tables, used):
+        flat += blocks[:count]
+        flat += [0] * (widest - count)
+    return torch.tensor(flat, dtype=torch.int32).view(len(used), widest) + first_block
+
+
 class GatherAttention(PagedAttention):
     """Copy each history out of its blocks into a padded batch, then SDPA (the readable backend)."""
 
@@ -124,12 +140,10 @@ class GatherAttention(PagedAttention):
         if decodes:
             # Decode rows: one padded batch. Row r reads blocks table[r] (padded with block 0) and
             # sees key columns < context_lens[r]; the copy is whole blocks, never single slots.
-            widest = max(len(inputs.block_tables[r]) for r in range(decodes))
-            table = torch.zeros((decodes, widest), dtype=torch.long)
-            for r in range(decodes):
-                table[r, : len(inputs.block_tables[r])] = torch.tensor(inputs.block_tables[r])
+            table = block_table_tensor(inputs.block_tables[:decodes], inputs.context_lens[:decodes], size, first_block)
+            widest = table.shape[1]
             lens = torch.tensor(inputs.context_lens[:decodes])
-            plan.decode_blocks = (table + first_block).flatten().to(self.store.device)
+            plan.decode_blocks = table.long().flatten().to(self.store.device)
             plan.decode_mask = (torch.arange(widest * size)[None, :] < lens[:, None])[:, None, None, :].to(self.store.device)
             plan.decode_width = widest * size
         for i in range(decodes, len(inputs.context_lens)):
@@ -283,15 +297,8 @@ class _FlexBucket:
 
     def fill(self, tables: list[list[int]], context_lens: list[int], first_block: int) -> None:
         n, size = len(tables), self.block_size
-        # A row reads the first -(-context // size) blocks of its table. One flat list, one tensor:
-        # a tensor per row cost more than the rest of the step's preparation.
-        used = [-(-context // size) for context in context_lens]
-        widest = max(used)
-        flat: list[int] = []
-        for blocks, count in zip(tables, used):
-            flat += blocks[:count]
-            flat += [0] * (widest - count)
-        table = torch.tensor(flat, dtype=torch.int32).view(n, widest) + first_block
+        table = block_table_tensor(tables, context_lens, size, first_block)
+        widest = table.shape[1]
         position = torch.tensor(context_lens, dtype=torch.int64) - 1
         last_block = position // size
         self.full_blocks[:n, 0, 0, :widest] = table
@@ -387,14 +394,8 @@ class KernelAttention(GatherAttention):
         if not decodes:
             return chunks
         lens = inputs.context_lens[:decodes]
-        used = [-(-context // size) for context in lens]
-        widest = max(used)
-        flat: list[int] = []
-        for blocks, count in zip(inputs.block_tables, used):
-            flat += blocks[:count]
-            flat += [0] * (widest - count)
-        tables = torch.tensor(flat, dtype=torch.int32).view(decodes, widest) + self.store.first_block
-        lens_tensor = torch.tensor(lens, dtype=torch.int32)
+        tables = block_table_tensor(inputs.block_tables[:decodes], lens, size, self.store.first_block)
+        widest, lens_tensor = tables.shape[1], torch.tensor(lens, dtype=torch.int32)
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             self.write(layer, k[:, :, :decodes], v[:, :, :decodes], inputs.slot_mapping[:decodes])
@@ -430,11 +431,13 @@ BACKENDS: dict[str, Callable[[PagedKVStore], PagedAttention]] = {
 ATTENTION_CHOICES = Literal["auto", "gather", "flex", "kernel"]
 
 RULE = (
-    "Time one packed decode step of the model (max_num_seqs sequences of PROBE_CONTEXT positions each, "
-    "blocks scattered over the pool) with every backend that can run here, taking turns for PROBE_REPEATS "
-    "rounds, median per backend; serve the fastest if it beats gather by MIN_SPEEDUP, else gather (the readable one)."
+    "Time one packed decode step of the model (max_num_seqs sequences, their contexts spread evenly over "
+    "PROBE_CONTEXTS as served traffic spreads them, blocks scattered over the pool) with every backend that "
+    "can run here, taking turns for PROBE_REPEATS rounds, median per backend; serve the fastest if it beats "
+    "gather by MIN_SPEEDUP, else gather (the readable one)."
 )
-PROBE_CONTEXT, PROBE_REPEATS, MIN_SPEEDUP = 128, 7, 1.10
+# Contexts of one length would hide what padding costs gather: the probe's rows differ, as requests do.
+PROBE_CONTEXTS, PROBE_REPEATS, MIN_SPEEDUP = (32, 256), 7, 1.10
 
 
 def unavailable_reason(name: str) -> str | None:
@@ -500,22 +503,24 @@ def measure_decode_steps(model: GPT, store: PagedKVStore, backends: dict[str, Pa
     busy pool scatters them, and give them back before this returns.
     """
     manager, rng = store.manager, random.Random(0)
-    context = min(PROBE_CONTEXT, store.config.n_ctx)
-    sequences = max(1, min(sequences, manager.free_blocks // manager.blocks_for(context)))
+    shortest, longest = min(PROBE_CONTEXTS[0], store.config.n_ctx), min(PROBE_CONTEXTS[1], store.config.n_ctx)
+    sequences = max(1, min(sequences, manager.free_blocks // manager.blocks_for(longest)))
+    contexts = [shortest + (longest - shortest) * i // max(1, sequences - 1) for i in range(sequences)]
     ids = [("attention-probe", i) for i in range(sequences)]
-    for seq_id in ids:
+    for seq_id, context in zip(ids, contexts):
         manager.allocate(seq_id, context)
     try:
         tables = [list(manager.tables[seq_id]) for seq_id in ids]
         for table in tables:  # scatter: real tables are not runs of consecutive blocks
             rng.shuffle(table)
-        slots = [store.first_block * store.block_tokens + table[(context - 1) // store.block_tokens] * store.block_tokens
-                 + (context - 1) % store.block_tokens for table in tables]
+        size = store.block_tokens
+        slots = [(store.first_block + table[(context - 1) // size]) * size + (context - 1) % size
+                 for table, context in zip(tables, contexts)]
         device = store.device
         inputs = PackedInputs(
             input_ids=torch.zeros(sequences, dtype=torch.long, device=device),
-            positions=torch.full((sequences,), context - 1, dtype=torch.long, device=device),
-            query_start=list(range(sequences + 1)), context_lens=[context] * sequences, block_tables=tables,
+            positions=torch.tensor([context - 1 for context in contexts], dtype=torch.long, device=device),
+            query_start=list(range(sequences + 1)), context_lens=contexts, block_tables=tables,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             logits_indices=torch.arange(sequences, device=device), num_decodes=sequences,
         )
