@@ -132,6 +132,9 @@ def test_batcher_events_say_why_each_batch_left_and_carry_its_rows_and_counters(
         held = [batcher.enqueue(i) for i in (4, 5, 6, 7)]  # min_batch again, held on the device
         assert await model.started.get() == [4, 5, 6, 7]
         queued = [batcher.enqueue(i) for i in range(8, 14)]  # 6 wait behind it: the next batch is full
+        # The model computes in a thread: let the batcher see the 6 (and park, waiting for the device)
+        # before the device is freed, or the two race and the next batch may leave as min_batch.
+        await clock.until_parked()
         model.gate.set()
         await asyncio.gather(*held, *queued[:4])
         await clock.until_parked()
