@@ -8,9 +8,11 @@ each candidate reading the SAME contexts:
 ``flex``            chapter 8's backend as served: write the new keys and values, run the compiled
                     ``flex_attention`` over the pool in place, copy the rows in and out
 ``flex kernel``     the compiled ``flex_attention`` call alone
-``kernel``          chapter 8's ``kernel`` backend as served (the same writes and copies as ``flex``)
-``kernel call``     its C kernel's call alone (``paged_decode.c``: one query row at a time, the
-                    softmax over the whole row, no library call per block)
+``kernel``          chapter 8's ``kernel`` backend as served: its C call and the output tensor
+                    around it (the writes and copies of ``flex`` are inside the call)
+``kernel call``     its C kernel's call alone (``paged_decode.c``: writes the new keys and values,
+                    then one query row at a time, the softmax over the whole row, no library call
+                    per block)
 ``gather``          the readable backend as served: copy each history out of its blocks, then SDPA
 ``compiled gather`` a candidate that was tried and is not served: the same reads written as plain
                     PyTorch through a per-row slot table (``k_plane[slots]``), compiled by
@@ -130,7 +132,7 @@ def attention_part(workload: str, rows: int, rounds: int, precision: str, seed: 
     flex_attend, gather_attend, kernel_attend = flex.bind(inputs), gather.bind(inputs), kernel.bind(inputs)
     kernel_tables = block_table_tensor(tables, lens, size, store.first_block)
     kernel_lens, kernel_out = torch.tensor(lens, dtype=torch.int32), torch.empty(rows, heads, head_dim)
-    kernel_scratch = torch.empty(config.n_ctx)
+    kernel_scratch, kernel_slots = torch.empty(heads * config.n_ctx), inputs.slot_mapping.clone()
     bucket = flex._buckets[max(FlexAttention.MIN_BUCKET, 1 << (rows - 1).bit_length())]
     pool_keys, pool_values = (store.plane(0, kv).view(-1, heads, head_dim).permute(1, 0, 2)[None] for kv in (0, 1))
     flex_queries = torch.randn(bucket.rows, heads, 1, head_dim).to(kv_dtype)
@@ -157,9 +159,11 @@ def attention_part(workload: str, rows: int, rounds: int, precision: str, seed: 
         "flex kernel": lambda: flex._flex(flex_queries, pool_keys, pool_values, block_mask=bucket.block_mask,
                                           kernel_options=flex.KERNEL_OPTIONS),
         "kernel": lambda: kernel_attend(0, q, k, v),
-        "kernel call": lambda: kernel._decode(rows_q.data_ptr(), store.plane(0, 0).data_ptr(), store.plane(0, 1).data_ptr(),
-                                              kernel_tables.data_ptr(), kernel_tables.shape[1], kernel_lens.data_ptr(), rows,
-                                              heads, head_dim, size, kernel._scale, kernel_scratch.data_ptr(), kernel_out.data_ptr()),
+        "kernel call": lambda: kernel._decode(q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(2), q.stride(1),
+                                              kernel_slots.data_ptr(), store.plane(0, 0).data_ptr(),
+                                              store.plane(0, 1).data_ptr(), kernel_tables.data_ptr(), kernel_tables.shape[1],
+                                              kernel_lens.data_ptr(), rows, heads, head_dim, size, kernel._scale,
+                                              kernel_scratch.data_ptr(), kernel_out.data_ptr(), kernel_out.stride(0)),
         "gather": lambda: gather_attend(0, q, k, v),
         "compiled gather": lambda: candidate(rows_q, store.plane(0, 0), store.plane(0, 1), slot_table, lens_tensor),
         "dense cache": lambda: F.scaled_dot_product_attention(dense_q, dense_k, dense_v, attn_mask=dense_mask),

@@ -317,8 +317,8 @@ class KernelUnavailable(RuntimeError):
 KERNEL_SOURCE = Path(__file__).with_name("paged_decode.c")
 KERNEL_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC")
 _POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
-_KERNEL_ARGUMENTS = [_POINTER, _POINTER, _POINTER, _POINTER, _INT, _POINTER, _INT, _INT, _INT, _INT, ctypes.c_float,
-                     _POINTER, _POINTER]
+_KERNEL_ARGUMENTS = [_POINTER, _POINTER, _POINTER, _INT, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _INT, _POINTER,
+                     _INT, _INT, _INT, _INT, ctypes.c_float, _POINTER, _POINTER, _INT]
 
 
 def build_kernel(compiler: str | None = None, cache: Path | None = None) -> ctypes.CDLL:
@@ -364,8 +364,10 @@ class KernelAttention(GatherAttention):
     """Decode rows through ``paged_decode.c`` reading the pool in place; prompt chunks as :class:`GatherAttention`.
 
     Each step, :meth:`bind` makes the decode rows' block tables one int32 tensor (rows, widest), offset
-    to the pool's first block, and their context lengths; each layer then writes the new keys and
-    values and makes ONE kernel call for every decode row (the queries in fp32, (rows, heads, head_dim)).
+    to the pool's first block, and their context lengths; each layer then makes ONE kernel call for
+    every decode row, which writes the rows' new keys and values into their slots and attends, reading
+    the queries, keys and values where the model computed them and writing the output where the
+    model's next linear layer reads it (no copy on either side).
     """
 
     name = "kernel"
@@ -377,7 +379,7 @@ class KernelAttention(GatherAttention):
         if store.device.type != "cpu" or dtype not in self.FUNCTIONS:
             raise ValueError(f"the kernel backend runs on the CPU over an fp32 or bf16 cache, not {store.device} {dtype}")
         self._decode = getattr(_kernel_library(), self.FUNCTIONS[dtype])
-        self._scratch = torch.empty(store.config.n_ctx, dtype=torch.float32)  # one row's scores
+        self._scratch = torch.empty(self.heads * store.config.n_ctx, dtype=torch.float32)  # one row's scores, every head
         self._scale = 1.0 / math.sqrt(self.head_dim)
 
     @staticmethod
@@ -396,20 +398,22 @@ class KernelAttention(GatherAttention):
         lens = inputs.context_lens[:decodes]
         tables = block_table_tensor(inputs.block_tables[:decodes], lens, size, self.store.first_block)
         widest, lens_tensor = tables.shape[1], torch.tensor(lens, dtype=torch.int32)
+        slots = inputs.slot_mapping[:decodes].to(torch.int64).contiguous()
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            self.write(layer, k[:, :, :decodes], v[:, :, :decodes], inputs.slot_mapping[:decodes])
-            out = torch.empty_like(q)
-            if decodes < q.shape[2]:
+            tokens, dtype = q.shape[2], q.dtype
+            # (1, N, H, D) in memory, returned as (1, H, N, D): the caller's transpose back is free.
+            out = torch.empty(1, tokens, self.heads, self.head_dim, dtype=torch.float32).transpose(1, 2)
+            if decodes < tokens:
                 out[:, :, decodes:] = chunks(layer, q[:, :, decodes:], k[:, :, decodes:], v[:, :, decodes:])
-            queries = q[0, :, :decodes].transpose(0, 1).to(torch.float32).contiguous()  # (rows, heads, head_dim)
-            result = torch.empty_like(queries)
+            if dtype != torch.float32 or not (q.stride() == k.stride() == v.stride() and q.stride(3) == 1):
+                q, k, v = (t.to(torch.float32).contiguous() for t in (q, k, v))
             keys, values = self.store.plane(layer, 0), self.store.plane(layer, 1)
-            self._decode(queries.data_ptr(), keys.data_ptr(), values.data_ptr(), tables.data_ptr(), widest,
-                         lens_tensor.data_ptr(), decodes, self.heads, self.head_dim, size, self._scale,
-                         self._scratch.data_ptr(), result.data_ptr())
-            out[0, :, :decodes] = result.transpose(0, 1).to(q.dtype)
-            return out
+            self._decode(q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(2), q.stride(1), slots.data_ptr(),
+                         keys.data_ptr(), values.data_ptr(), tables.data_ptr(), widest, lens_tensor.data_ptr(),
+                         decodes, self.heads, self.head_dim, size, self._scale, self._scratch.data_ptr(),
+                         out.data_ptr(), out.stride(2))
+            return out.to(dtype)
 
         return attend
 

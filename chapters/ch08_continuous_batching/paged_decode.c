@@ -2,17 +2,21 @@
  * they lie. Chapter 8's `kernel` backend (paged_attention.py) builds this file with the system's C
  * compiler and calls it through ctypes, one call per layer for every decode row of a step.
  *
- * For row r and head h: scores over positions 0 .. lens[r] - 1 (the slot of position t is
+ * First every row's new key and value go into its slot (slots[r], rounded to the cache's dtype); then,
+ * for row r and head h: scores over positions 0 .. lens[r] - 1 (the slot of position t is
  * tables[r][t / block] * block + t % block), a softmax over the whole row at once (its length is known:
  * no running maximum, no rescaling), then the weighted sum of the values. Everything accumulates in
  * fp32. The dot product keeps LANES partial sums, which the compiler turns into vector registers
  * without reordering a single sum (no -ffast-math: the result does not depend on the flags).
  *
- * q    (rows, heads, head_dim) fp32, contiguous
- * k, v one layer's key and value planes: (slots, heads * head_dim), fp32 or bf16 (as uint16 bits)
+ * q, k_new, v_new  fp32; element (r, h, d) at r * token_stride + h * head_stride + d: the model's own
+ *                  (1, heads, rows, head_dim) views, read where they are, no copy
+ * slots (rows) int64: where each row's new key and value go
+ * k, v  one layer's key and value planes: (slots, heads * head_dim), fp32 or bf16 (as uint16 bits)
  * tables (rows, width) int32: each row's blocks, already offset to the pool's first block
  * lens (rows) int32: positions each row attends to (its context, this step's token included)
- * logits: scratch of at least max(lens) floats; out (rows, heads, head_dim) fp32
+ * logits: scratch of at least heads * max(lens) floats
+ * out   fp32; element (r, h, d) at r * out_stride + h * head_dim + d
  */
 #include <math.h>
 #include <stdint.h>
@@ -27,46 +31,72 @@ static inline float from_bf16(uint16_t x) {
     return f;
 }
 
-static inline float from_fp32(float x) { return x; }
+/* Round to nearest, ties to even, as torch's float -> bfloat16 conversion does (NaN stays NaN). */
+static inline uint16_t to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if (isnan(f)) return 0x7fc0;
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
 
-#define PAGED_DECODE(NAME, T, LOAD)                                                                         \
-    void NAME(const float *q, const T *k, const T *v, const int32_t *tables, int64_t width,                \
+static inline float from_fp32(float x) { return x; }
+static inline float to_fp32(float x) { return x; }
+
+#define PAGED_DECODE(NAME, T, LOAD, STORE)                                                                  \
+    void NAME(const float *q, const float *k_new, const float *v_new, int64_t token_stride,                 \
+              int64_t head_stride, const int64_t *slots, T *k, T *v, const int32_t *tables, int64_t width,  \
               const int32_t *lens, int64_t rows, int64_t heads, int64_t head_dim, int64_t block,            \
-              float scale, float *logits, float *out) {                                                     \
+              float scale, float *logits, float *out, int64_t out_stride) {                                 \
         const int64_t stride = heads * head_dim, vector_end = head_dim - head_dim % LANES;                 \
+        for (int64_t r = 0; r < rows; ++r)                                                                  \
+            for (int64_t h = 0; h < heads; ++h) {                                                           \
+                const int64_t from = r * token_stride + h * head_stride, to = slots[r] * stride + h * head_dim; \
+                for (int64_t d = 0; d < head_dim; ++d) {                                                    \
+                    k[to + d] = STORE(k_new[from + d]);                                                     \
+                    v[to + d] = STORE(v_new[from + d]);                                                     \
+                }                                                                                           \
+            }                                                                                               \
         for (int64_t r = 0; r < rows; ++r) {                                                                \
             const int64_t n = lens[r];                                                                      \
             const int32_t *table = tables + r * width;                                                      \
-            for (int64_t h = 0; h < heads; ++h) {                                                           \
-                const float *qh = q + (r * heads + h) * head_dim;                                           \
-                float highest = -INFINITY;                                                                  \
-                for (int64_t t = 0; t < n; ++t) {                                                           \
-                    const T *key = k + ((int64_t)table[t / block] * block + t % block) * stride + h * head_dim; \
+            float highest[heads], total[heads];                                                             \
+            for (int64_t h = 0; h < heads; ++h) highest[h] = -INFINITY, total[h] = 0.f;                     \
+            for (int64_t t = 0; t < n; ++t) {                                                               \
+                const T *key = k + ((int64_t)table[t / block] * block + t % block) * stride;                \
+                for (int64_t h = 0; h < heads; ++h) {                                                       \
+                    const float *qh = q + r * token_stride + h * head_stride;                               \
+                    const T *kh = key + h * head_dim;                                                       \
                     float partial[LANES] = {0};                                                             \
                     for (int64_t d = 0; d < vector_end; d += LANES)                                         \
-                        for (int j = 0; j < LANES; ++j) partial[j] += qh[d + j] * LOAD(key[d + j]);         \
-                    float score = 0.f;                                                                      \
-                    for (int j = 0; j < LANES; ++j) score += partial[j];                                    \
-                    for (int64_t d = vector_end; d < head_dim; ++d) score += qh[d] * LOAD(key[d]);          \
+                        for (int j = 0; j < LANES; ++j) partial[j] += qh[d + j] * LOAD(kh[d + j]);          \
+                    for (int width_ = LANES / 2; width_ > 0; width_ /= 2)                                   \
+                        for (int j = 0; j < width_; ++j) partial[j] += partial[j + width_];                 \
+                    float score = partial[0];                                                               \
+                    for (int64_t d = vector_end; d < head_dim; ++d) score += qh[d] * LOAD(kh[d]);           \
                     score *= scale;                                                                         \
-                    logits[t] = score;                                                                      \
-                    if (score > highest) highest = score;                                                   \
+                    logits[h * n + t] = score;                                                              \
+                    if (score > highest[h]) highest[h] = score;                                             \
                 }                                                                                           \
-                float total = 0.f;                                                                          \
+            }                                                                                               \
+            for (int64_t h = 0; h < heads; ++h) {                                                           \
+                float *row = logits + h * n;                                                                \
                 for (int64_t t = 0; t < n; ++t) {                                                           \
-                    logits[t] = expf(logits[t] - highest);                                                  \
-                    total += logits[t];                                                                     \
+                    row[t] = expf(row[t] - highest[h]);                                                     \
+                    total[h] += row[t];                                                                     \
                 }                                                                                           \
-                float *o = out + (r * heads + h) * head_dim;                                                \
-                memset(o, 0, (size_t)head_dim * sizeof(float));                                             \
-                for (int64_t t = 0; t < n; ++t) {                                                           \
-                    const T *value = v + ((int64_t)table[t / block] * block + t % block) * stride + h * head_dim; \
-                    const float weight = logits[t] / total;                                                 \
-                    for (int64_t d = 0; d < head_dim; ++d) o[d] += weight * LOAD(value[d]);                 \
+                memset(out + r * out_stride + h * head_dim, 0, (size_t)head_dim * sizeof(float));           \
+            }                                                                                               \
+            for (int64_t t = 0; t < n; ++t) {                                                               \
+                const T *value = v + ((int64_t)table[t / block] * block + t % block) * stride;              \
+                for (int64_t h = 0; h < heads; ++h) {                                                       \
+                    float *o = out + r * out_stride + h * head_dim;                                         \
+                    const T *vh = value + h * head_dim;                                                     \
+                    const float weight = logits[h * n + t] / total[h];                                      \
+                    for (int64_t d = 0; d < head_dim; ++d) o[d] += weight * LOAD(vh[d]);                    \
                 }                                                                                           \
             }                                                                                               \
         }                                                                                                   \
     }
 
-PAGED_DECODE(paged_decode_fp32, float, from_fp32)
-PAGED_DECODE(paged_decode_bf16, uint16_t, from_bf16)
+PAGED_DECODE(paged_decode_fp32, float, from_fp32, to_fp32)
+PAGED_DECODE(paged_decode_bf16, uint16_t, from_bf16, to_bf16)
