@@ -14,6 +14,14 @@ definitions (``benchmarks/benchmark_serving.py`` there):
 A server that does not stream (chapters 1-7) is measured the same way with ``--no-stream``: its
 first token arrives with its last, so its TTFT is its E2E and TPOT/ITL are not defined.
 
+The client is aiohttp, as vLLM's benchmark client is, one session with a connection per user kept
+alive. It was httpx until the side-by-side rounds showed TTFT tails of seconds on ``default`` that
+were not the server's: a model-free streaming server under the httpx client had them too (its
+handler entered seconds after the request was sent, with either of uvicorn's HTTP parsers), and
+they vanished without keep-alive or with aiohttp, which also sends and reads more from one core
+(``benchmarks/reference/cpu/ch08/stalls/``). Its ceiling on this machine: ``run`` against
+``python -m benchmarks.trivial_server``, which streams when asked.
+
 The ``mixed`` workload is the article's prompts (16/32/64/128 tokens) with new tokens drawn from 8 to
 256, log-uniform (most answers short, a long tail): the mix where a request-level batch is held by
 its longest member. ``default`` is the climb's (32 new tokens) and ``shared-prefix`` the harness's
@@ -63,6 +71,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 
 from benchmarks.results import print_and_save
@@ -198,24 +207,24 @@ class RequestRecord:
         return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
 
 
-async def _one_request(client: httpx.AsyncClient, body: dict, stream: bool) -> RequestRecord:
+async def _one_request(session: aiohttp.ClientSession, url: str, body: dict, stream: bool) -> RequestRecord:
     record = RequestRecord(sent=time.perf_counter(), status=0)
     try:
         if stream:
-            async with client.stream("POST", "/v1/inference", json={**body, "stream": True}) as response:
-                record.status = response.status_code
-                async for line in response.aiter_lines():
-                    if line.startswith("event: token"):
+            async with session.post(url, json={**body, "stream": True}) as response:
+                record.status = response.status
+                async for line in response.content:  # one server-sent-event line at a time
+                    if line.startswith(b"event: token"):
                         record.token_times.append(time.perf_counter())
-                    elif line.startswith("event: error"):
+                    elif line.startswith(b"event: error"):
                         record.status = 500
             record.output_tokens = len(record.token_times)
         else:
-            response = await client.post("/v1/inference", json=body)
-            record.status = response.status_code
-            if response.status_code == 200:
-                record.output_tokens = len(response.json()["output_ids"])
-    except httpx.HTTPError:
+            async with session.post(url, json=body) as response:
+                record.status = response.status
+                if response.status == 200:
+                    record.output_tokens = len((await response.json())["output_ids"])
+    except (aiohttp.ClientError, asyncio.TimeoutError):
         record.status = -1
     record.ended = time.perf_counter()
     return record
@@ -225,17 +234,19 @@ async def run_closed_loop(url: str, users: int, duration_s: float, workload: str
                           request_timeout_s: float = 120.0) -> tuple[list[RequestRecord], float]:
     """``users`` clients in a loop for ``duration_s``; returns every record and the measured window (s)."""
     make_body = WORKLOADS[workload]
-    limits = httpx.Limits(max_connections=users, max_keepalive_connections=users)
     records: list[RequestRecord] = []
     started = time.perf_counter()
     stop_at = started + duration_s
+    endpoint = f"{url.rstrip('/')}/v1/inference"
 
     async def user(index: int) -> None:
         rng = random.Random(seed * 1_000_003 + index)
         while time.perf_counter() < stop_at:
-            records.append(await _one_request(client, make_body(rng), stream))
+            records.append(await _one_request(session, endpoint, make_body(rng), stream))
 
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=request_timeout_s) as client:
+    connector = aiohttp.TCPConnector(limit=users)  # a kept-alive connection per user
+    timeout = aiohttp.ClientTimeout(total=request_timeout_s)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         await asyncio.gather(*(user(i) for i in range(users)))
     return records, time.perf_counter() - started
 

@@ -2,7 +2,9 @@
 
 Only for measuring the harness's own ceiling (``python -m benchmarks ceiling``): whatever QPS Locust
 reaches against it is the most Locust can send from its core. It is a bare ASGI app on uvicorn,
-no framework, so that the server side stays cheaper than the client side.
+no framework, so that the server side stays cheaper than the client side. With ``"stream": true``
+it streams as chapter 8 does (an ``event: token`` per token, then ``event: done``), all at once:
+the ceiling of the streaming client (``python -m benchmarks.streaming run --url ...``).
 
     python -m benchmarks.trivial_server --port 8001
 """
@@ -46,6 +48,12 @@ async def _send(send, status: int, body: bytes) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+def streamed_response(max_new_tokens: int) -> bytes:
+    """The same answer as server-sent events: one ``token`` event per token, then ``done``."""
+    token = b'event: token\ndata: {"token_id":0,"text":"\\u0000"}\n\n'
+    return token * max_new_tokens + b"event: done\ndata: " + inference_response(max_new_tokens) + b"\n\n"
+
+
 async def app(scope, receive, send) -> None:
     if scope["type"] != "http":
         return
@@ -53,9 +61,14 @@ async def app(scope, receive, send) -> None:
         await _send(send, 200, HEALTH)
     elif scope["path"] == "/v1/inference" and scope["method"] == "POST":
         try:
-            max_new_tokens = int(json.loads(await _read_body(receive)).get("max_new_tokens", 32))
+            body = json.loads(await _read_body(receive))
+            max_new_tokens = int(body.get("max_new_tokens", 32))
         except (ValueError, AttributeError):
             await _send(send, 400, b'{"error":{"type":"invalid_json","message":"not JSON"}}')
+            return
+        if body.get("stream"):
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+            await send({"type": "http.response.body", "body": streamed_response(max_new_tokens)})
             return
         await _send(send, 200, inference_response(max_new_tokens))
     else:

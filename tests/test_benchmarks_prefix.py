@@ -319,3 +319,24 @@ def test_the_prefix_caching_plot_draws_from_the_synthetic_files_and_names_its_co
     assert "Time to first token" in ttft_ax.get_title() and "QPS" in qps_ax.get_title()
     on_qps = [bar.get_height() for bar in qps_ax.containers[0]]
     assert on_qps == [comparisons[w]["chapters"]["caching-on"]["qps"] for w in comparisons]
+
+
+
+def test_the_streaming_client_counts_every_token_of_a_real_stream_and_every_failure():
+    """The closed loop against the trivial server (a real uvicorn, streaming when asked): every record
+    holds exactly the 32 tokens each ``default`` body asks for, the first no earlier than the send and
+    no later than the end; a port where nothing listens gives failed records (status -1) within the
+    loop's time, not an exception."""
+    import asyncio
+
+    from benchmarks.server_process import free_port, running_module
+
+    assert {streaming.WORKLOADS["default"](random.Random(seed))["max_new_tokens"] for seed in range(20)} == {32}
+    with running_module("benchmarks.trivial_server", name="instant") as server:
+        for stream in (True, False):
+            records, _ = asyncio.run(streaming.run_closed_loop(server.url, 3, 0.5, "default", stream, seed=7))
+            assert records and all(r.status == 200 and r.output_tokens == 32 for r in records)
+            if stream:
+                assert all(len(r.token_times) == 32 and r.sent <= r.token_times[0] <= r.ended for r in records)
+    records, window = asyncio.run(streaming.run_closed_loop(f"http://127.0.0.1:{free_port()}", 2, 0.3, "default", True))
+    assert records and {r.status for r in records} == {-1} and window < 10
