@@ -57,7 +57,7 @@ from chapters.ch04_memory_pool.memory_pool import KVMemoryPool
 from chapters.ch05_inference_engine.engine import build_eager
 from chapters.ch08_continuous_batching.model_runner import packed_model
 from chapters.ch08_continuous_batching.paged_attention import (
-    FlexAttention, GatherAttention, KernelAttention, PackedInputs, block_table_tensor,
+    FlexAttention, GatherAttention, KernelAttention, block_table_tensor, scattered_decode_inputs,
 )
 from chapters.ch08_continuous_batching.paged_cache import PagedKVStore, kv_cache_dtype
 from chapters.ch08_continuous_batching.server import ContinuousSettings
@@ -115,17 +115,8 @@ def attention_part(workload: str, rows: int, rounds: int, precision: str, seed: 
         for kv in (0, 1):
             store.plane(layer, kv).copy_(torch.randn(store.plane(layer, kv).shape))
     lens = contexts(workload, rows, rng)
-    for row, context in enumerate(lens):
-        store.manager.allocate(("probe", row), context)
-    tables = [list(store.manager.tables[("probe", row)]) for row in range(rows)]
-    for table in tables:
-        rng.shuffle(table)
-    last_slots = [table[(context - 1) // size] * size + (context - 1) % size for table, context in zip(tables, lens)]
-    inputs = PackedInputs(
-        input_ids=torch.zeros(rows, dtype=torch.long), positions=torch.tensor([c - 1 for c in lens]),
-        query_start=list(range(rows + 1)), context_lens=lens, block_tables=tables,
-        slot_mapping=torch.tensor(last_slots), logits_indices=torch.arange(rows), num_decodes=rows,
-    )
+    inputs = scattered_decode_inputs(store, [("probe", row) for row in range(rows)], lens, rng)
+    tables = inputs.block_tables
     q, k, v = (torch.randn(1, heads, rows, head_dim) for _ in range(3))
 
     flex, gather, kernel = FlexAttention(store), GatherAttention(store), KernelAttention(store)

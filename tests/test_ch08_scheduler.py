@@ -257,23 +257,14 @@ def test_the_kernel_reads_the_models_own_views_and_writes_the_new_keys_where_gat
     """Decode rows over scattered blocks: the kernel, given q, k, v as the model's ``c_attn`` leaves them
     (strided views of one (N, 3W) tensor), writes the pool exactly as ``gather`` does and attends as it
     does; given contiguous copies or bf16 inputs it takes its copying path to the same result."""
-    from chapters.ch08_continuous_batching.model_runner import PackedInputs
+    from chapters.ch08_continuous_batching.paged_attention import scattered_decode_inputs
 
     config = ModelConfig(vocab_size=16, n_ctx=64, n_embd=32, n_layer=1, n_head=2)
     rows, size, rng = 5, 4, random.Random(3)
     store = PagedKVStore(KVMemoryPool(config, 64 * 4, block_tokens=size, dtype=cache_dtype))
     for kv in (0, 1):
         store.plane(0, kv).copy_(torch.randn(store.plane(0, kv).shape))
-    lens = [rng.randint(1, 30) for _ in range(rows)]
-    for row, context in enumerate(lens):
-        store.manager.allocate(("row", row), context)
-    tables = [list(store.manager.tables[("row", row)]) for row in range(rows)]
-    for table in tables:
-        rng.shuffle(table)
-    slots = [table[(c - 1) // size] * size + (c - 1) % size for table, c in zip(tables, lens)]
-    inputs = PackedInputs(input_ids=torch.zeros(rows, dtype=torch.long), positions=torch.tensor([c - 1 for c in lens]),
-                          query_start=list(range(rows + 1)), context_lens=lens, block_tables=tables,
-                          slot_mapping=torch.tensor(slots), logits_indices=torch.arange(rows), num_decodes=rows)
+    inputs = scattered_decode_inputs(store, [("row", row) for row in range(rows)], [rng.randint(1, 30) for _ in range(rows)], rng)
     fused = torch.randn(1, rows, 3 * config.n_embd)  # what c_attn returns, split and viewed as the model does
     q, k, v = (t.view(1, rows, config.n_head, -1).transpose(1, 2) for t in fused.split(config.n_embd, dim=2))
     before = store.pool.storage.clone()

@@ -497,6 +497,31 @@ def measure_decode_step(model: GPT, store: PagedKVStore, backend: PagedAttention
     return measure_decode_steps(model, store, {backend.name: backend}, sequences, repeats)[backend.name]
 
 
+def scattered_decode_inputs(store: PagedKVStore, seq_ids: list, contexts: list[int], rng: random.Random) -> PackedInputs:
+    """One packed decode step of ``seq_ids``, whose histories hold ``contexts`` positions (the new token's included).
+
+    Takes their blocks from ``store`` (the caller frees them) and shuffles each row's table, as a busy
+    pool scatters blocks: real tables are not runs of consecutive blocks. The probe, the attention
+    benchmark and the tests build their steps here.
+    """
+    manager, size, device = store.manager, store.block_tokens, store.device
+    for seq_id, context in zip(seq_ids, contexts):
+        manager.allocate(seq_id, context)
+    tables = [list(manager.tables[seq_id]) for seq_id in seq_ids]
+    for table in tables:
+        rng.shuffle(table)
+    slots = [(store.first_block + table[(context - 1) // size]) * size + (context - 1) % size
+             for table, context in zip(tables, contexts)]
+    rows = len(seq_ids)
+    return PackedInputs(
+        input_ids=torch.zeros(rows, dtype=torch.long, device=device),
+        positions=torch.tensor([context - 1 for context in contexts], dtype=torch.long, device=device),
+        query_start=list(range(rows + 1)), context_lens=list(contexts), block_tables=tables,
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        logits_indices=torch.arange(rows, device=device), num_decodes=rows,
+    )
+
+
 def measure_decode_steps(model: GPT, store: PagedKVStore, backends: dict[str, PagedAttention], sequences: int,
                          repeats: int = PROBE_REPEATS) -> dict[str, float]:
     """Median seconds of one packed decode step of ``sequences`` rows through each backend (the rule's probe).
@@ -511,23 +536,8 @@ def measure_decode_steps(model: GPT, store: PagedKVStore, backends: dict[str, Pa
     sequences = max(1, min(sequences, manager.free_blocks // manager.blocks_for(longest)))
     contexts = [shortest + (longest - shortest) * i // max(1, sequences - 1) for i in range(sequences)]
     ids = [("attention-probe", i) for i in range(sequences)]
-    for seq_id, context in zip(ids, contexts):
-        manager.allocate(seq_id, context)
+    inputs = scattered_decode_inputs(store, ids, contexts, rng)
     try:
-        tables = [list(manager.tables[seq_id]) for seq_id in ids]
-        for table in tables:  # scatter: real tables are not runs of consecutive blocks
-            rng.shuffle(table)
-        size = store.block_tokens
-        slots = [(store.first_block + table[(context - 1) // size]) * size + (context - 1) % size
-                 for table, context in zip(tables, contexts)]
-        device = store.device
-        inputs = PackedInputs(
-            input_ids=torch.zeros(sequences, dtype=torch.long, device=device),
-            positions=torch.tensor([context - 1 for context in contexts], dtype=torch.long, device=device),
-            query_start=list(range(sequences + 1)), context_lens=contexts, block_tables=tables,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-            logits_indices=torch.arange(sequences, device=device), num_decodes=sequences,
-        )
         steps = {name: (lambda backend=backend: model.forward_packed(inputs.input_ids, inputs.positions, backend.bind(inputs),
                                                                      inputs.logits_indices))
                  for name, backend in backends.items()}
