@@ -7,12 +7,14 @@ default precision's accuracy is held to its tolerance in ``test_ch05_engines.py`
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from fastapi.testclient import TestClient
 
 from chapters.ch05_inference_engine.engine import EngineUnavailable, _activation_dtype
-from chapters.ch05_inference_engine.engines import choose_default, unavailable_reason
+from chapters.ch05_inference_engine.engines import choose_default, pick, unavailable_reason
 from chapters.ch05_inference_engine.server import EngineSettings, build_app
 from shared.settings import parse_settings
 
@@ -42,10 +44,18 @@ def test_fp32_server_returns_the_oracles_tokens(oracle) -> None:
         assert body["output_ids"] == oracle(ids, 12)
 
 
-def test_the_default_precision_is_the_measured_choice_for_this_device(default_model) -> None:
+def test_the_default_precision_is_the_measured_choice_for_this_device(default_model, tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr("chapters.ch05_inference_engine.engines.ENGINE_CACHE_DIR", tmp_path)  # measured afresh, not read
     with TestClient(build_app(settings_for())) as client:
         engine = client.get("/healthz").json()["engine"]
-    # The same measured choice, read back from the engine cache the server's start wrote.
+    [choice_file] = tmp_path.glob("auto-choice-*.json")
+    choice = json.loads(choice_file.read_text())
+    assert (engine["engine"], engine["precision"]) == tuple(choice["chosen"]) == pick(choice["measured"])
+    measured = {(r["engine"], r["precision"]) for r in choice["measured"]}
+    assert ("eager", "fp32") in measured and all(r["requests_per_s"] > 0 for r in choice["measured"])
+    if unavailable_reason("eager", "int8", default_model.model.device) is None:
+        assert ("eager", "int8") in measured  # a CPU without native bf16 still gets its reduced precisions tried
+    # The same choice, read back from the engine cache the server's start wrote.
     assert (engine["engine"], engine["precision"]) == choose_default(default_model.model)
 
 

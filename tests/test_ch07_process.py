@@ -106,6 +106,7 @@ def test_sigterm_under_load_answers_every_accepted_request_and_exits_within_the_
         assert "error" not in statuses and set(statuses) <= {200, 503, "refused"}, statuses
         assert 503 in statuses or "refused" in statuses
         assert "every accepted request was answered" in log, log[-2000:]
+        assert "later garbage collections skip them" in log, "the start-up heap was not frozen before serving"
     finally:
         if process.poll() is None:
             process.kill()

@@ -8,6 +8,7 @@ exactly as long as the test wants; the test waits for states, not for time.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import threading
@@ -23,6 +24,7 @@ from chapters.ch06_tuned_batching.server import build_backend
 from chapters.ch07_production.deadlines import StreamDeadline
 from chapters.ch07_production.request_log import REQUEST_LOG
 from chapters.ch07_production.server import ProductionSettings, build_app
+from chapters.ch07_production.startup_heap import freeze_startup_heap
 from shared.generation import reference_greedy
 
 PROMPT = [5, 6, 7, 8]
@@ -402,3 +404,23 @@ def test_a_cancellation_that_is_not_the_deadline_stays_a_cancellation() -> None:
         await events.aclose()
 
     asyncio.run(scenario())
+
+
+def test_the_startup_heap_is_collected_before_it_is_frozen() -> None:
+    class Node:
+        pass
+
+    garbage = Node()
+    garbage.itself = garbage  # a cycle: only the collector frees it
+    freed = weakref.ref(garbage)
+    del garbage
+    was_enabled = gc.isenabled()
+    gc.disable()  # no automatic collection may free it first
+    try:
+        frozen = freeze_startup_heap()
+        assert freed() is None, "garbage still waiting for a collection was frozen, never to be freed"
+        assert frozen == gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        if was_enabled:
+            gc.enable()

@@ -24,6 +24,7 @@ from sampling_oracle import reference_sampled
 from chapters.ch07_production.server import ProductionSettings
 from chapters.ch07_production.server import build_app as build_chapter7
 from chapters.ch08_continuous_batching.server import ContinuousSettings, build_app
+from chapters.ch08_continuous_batching.step_thread import StepClock, StepRecord
 from chapters.ch08_continuous_batching.streaming import write_sse_stream
 from shared.schemas import ValidRequest
 
@@ -370,3 +371,22 @@ def test_a_stream_admitted_but_never_read_gives_back_every_count() -> None:
         assert backend.step_thread.scheduler.manager.used_blocks == 0
 
     run(app, scenario)
+
+
+def test_stats_read_while_the_step_thread_records_a_step_still_answers() -> None:
+    """/stats reads the step clock on the event loop while the step thread appends to it: the read
+    copies the recent steps first (a live-page CI run once got a 500, "deque mutated during iteration")."""
+    clock = StepClock(keep=8)
+    later = StepRecord(2, 2, 0, 2, 0.1, 0.1, 0.1, 0.1)
+
+    class StepLandsWhileRead(int):
+        """Reading this field is the moment the step thread records its next step."""
+
+        def __deepcopy__(self, memo: dict) -> int:
+            clock.record(later)
+            return int(self)
+
+    clock.record(StepRecord(StepLandsWhileRead(1), 1, 0, 1, 0.1, 0.1, 0.1, 0.1))
+    described = clock.describe()
+    assert [step["tokens"] for step in described["recent"]] == [1], "the read shows the steps as of its start"
+    assert [step.tokens for step in clock.recent] == [1, 2], "and the step recorded meanwhile is kept"

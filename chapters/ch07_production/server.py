@@ -63,6 +63,7 @@ from chapters.ch07_production.health import ReadinessProbe, request_probe
 from chapters.ch07_production.metrics import StateCollector, StateReader, build_registry, pooled_state
 from chapters.ch07_production.model_registry import MODEL_VERSION_HEADER, ModelRegistry, ModelVersion
 from chapters.ch07_production.request_log import RequestContext, RequestObserver, configure_json_logging, current_request
+from chapters.ch07_production.startup_heap import freeze_startup_heap
 from shared.devices import choose_device, memory_snapshot, set_threads
 from shared.schemas import ApiError, ValidRequest
 from shared.settings import ServerSettings, parse_settings
@@ -397,6 +398,7 @@ def serve(app: FastAPI, settings: ServerSettings) -> None:
                             access_log=False, log_config=None, timeout_graceful_shutdown=5,
                             timeout_keep_alive=settings.keep_alive_s)
     server = DrainingServer(config, app.state.drain, app.state.live_view)
+    freeze_startup_heap()  # the model, the routes, the imports: built once, never garbage
     server.run()
     if server.drain_report is not None and server.drain_report.cut_off:
         log.warning("exited with %d requests cut off by the drain timeout", server.drain_report.cut_off)

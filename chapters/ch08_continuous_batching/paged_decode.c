@@ -42,12 +42,29 @@ static inline uint16_t to_bf16(float f) {
 static inline float from_fp32(float x) { return x; }
 static inline float to_fp32(float x) { return x; }
 
+/* The blocks of a row lie anywhere in the pool, so at each block boundary the CPU's own prefetcher
+ * has no stream to follow and the next position's row arrives from memory only when it is read.
+ * Asking for the row AHEAD positions on (every cache line of it) overlaps that wait with the work
+ * on the positions before it; it changes no result. */
+#ifndef AHEAD
+#define AHEAD 8 /* -DAHEAD=0 builds it without (benchmarks/reference/cpu/ch08/kernel-prefetch/) */
+#endif
+
+static inline int64_t slot_of(const int32_t *table, int64_t t, int64_t block) {
+    return (int64_t)table[t / block] * block + t % block;
+}
+
+static inline void prefetch_row(const void *row, int64_t bytes) {
+    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch((const char *)row + at, 0, 3);
+}
+
 #define PAGED_DECODE(NAME, T, LOAD, STORE)                                                                  \
     void NAME(const float *q, const float *k_new, const float *v_new, int64_t token_stride,                 \
               int64_t head_stride, const int64_t *slots, T *k, T *v, const int32_t *tables, int64_t width,  \
               const int32_t *lens, int64_t rows, int64_t heads, int64_t head_dim, int64_t block,            \
               float scale, float *logits, float *out, int64_t out_stride) {                                 \
         const int64_t stride = heads * head_dim, vector_end = head_dim - head_dim % LANES;                 \
+        const int64_t row_bytes = stride * (int64_t)sizeof(T);                                             \
         for (int64_t r = 0; r < rows; ++r)                                                                  \
             for (int64_t h = 0; h < heads; ++h) {                                                           \
                 const int64_t from = r * token_stride + h * head_stride, to = slots[r] * stride + h * head_dim; \
@@ -62,7 +79,8 @@ static inline float to_fp32(float x) { return x; }
             float highest[heads], total[heads];                                                             \
             for (int64_t h = 0; h < heads; ++h) highest[h] = -INFINITY, total[h] = 0.f;                     \
             for (int64_t t = 0; t < n; ++t) {                                                               \
-                const T *key = k + ((int64_t)table[t / block] * block + t % block) * stride;                \
+                const T *key = k + slot_of(table, t, block) * stride;                                       \
+                if (AHEAD && t + AHEAD < n) prefetch_row(k + slot_of(table, t + AHEAD, block) * stride, row_bytes);   \
                 for (int64_t h = 0; h < heads; ++h) {                                                       \
                     const float *qh = q + r * token_stride + h * head_stride;                               \
                     const T *kh = key + h * head_dim;                                                       \
@@ -87,7 +105,8 @@ static inline float to_fp32(float x) { return x; }
                 memset(out + r * out_stride + h * head_dim, 0, (size_t)head_dim * sizeof(float));           \
             }                                                                                               \
             for (int64_t t = 0; t < n; ++t) {                                                               \
-                const T *value = v + ((int64_t)table[t / block] * block + t % block) * stride;              \
+                const T *value = v + slot_of(table, t, block) * stride;                                     \
+                if (AHEAD && t + AHEAD < n) prefetch_row(v + slot_of(table, t + AHEAD, block) * stride, row_bytes);   \
                 for (int64_t h = 0; h < heads; ++h) {                                                       \
                     float *o = out + r * out_stride + h * head_dim;                                         \
                     const T *vh = value + h * head_dim;                                                     \

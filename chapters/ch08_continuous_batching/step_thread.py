@@ -152,7 +152,9 @@ class StepClock:
         return {
             "seconds": {phase: round(value, 4) for phase, value in self.totals_s.items()},
             "share": {phase: round(value / total, 4) if total else None for phase, value in self.totals_s.items()},
-            "recent": [asdict(r) for r in self.recent],
+            # copy() is one C call, so a step recorded by the step thread meanwhile cannot interrupt it;
+            # iterating the deque itself while it grows raises "deque mutated during iteration".
+            "recent": [asdict(r) for r in self.recent.copy()],
         }
 
 
