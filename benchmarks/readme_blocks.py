@@ -344,10 +344,10 @@ def packed_step_profile_block(directory: Path) -> str:
         "(so it ran somewhat faster than it reads). One process, no client and no server: nothing to pin.")
 
 
-def side_by_side_block(directory: Path) -> str:
-    """Chapter 6 against chapter 8, several rounds of ``benchmarks.streaming compare`` (``<dir>/ch08/side-by-side/*.json``):
+def side_by_side_block(directory: Path, folder: str = "side-by-side") -> str:
+    """Chapter 6 against chapter 8, several rounds of ``benchmarks.streaming compare`` (``<dir>/ch08/<folder>/*.json``):
     the median of the rounds per chapter, and chapter 8's over chapter 6's."""
-    return chapter_pair_block(directory / "ch08" / "side-by-side", "ch06", "ch08", (
+    return chapter_pair_block(directory / "ch08" / folder, "ch06", "ch08", (
         ". Both servers at their defaults (chapter 5's engine by its rule, chapter 8's attention by its rule). "
         "P99 is of the whole answer; chapter 8 streams."))
 
@@ -647,8 +647,8 @@ def render_key(key: str, results: Mapping[str, BenchmarkResult], directory: Path
         return autoscale_block(directory)
     if key == "ch09-replicas":
         return replicas_block(directory)
-    if key == "side-by-side":
-        return side_by_side_block(directory)
+    if key.startswith("side-by-side"):  # side-by-side, side-by-side-avx2: one folder of rounds per machine
+        return side_by_side_block(directory, key)
     if key == "deploy":
         return deploy_block(directory)
     if key == "packed-step-profile":

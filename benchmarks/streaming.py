@@ -333,7 +333,8 @@ def harness_settings(profile_name: str | None) -> tuple[dict[str, Any], list[str
         os.sched_setaffinity(0, set(client_cores))
     commit, dirty = git_state()
     harness = {"profile": profile.name, "pinning": bool(server_cores), "server_cores": server_cores,
-               "client_cores": client_cores, "server_env": profile.server_env(), "git_commit": commit, "git_dirty": dirty}
+               "client_cores": client_cores, "server_env": profile.server_env(), "git_commit": commit, "git_dirty": dirty,
+               "cpu": cpu_description()}
     return harness, profile.server_args(), profile.server_env()
 
 
@@ -344,7 +345,17 @@ def describe_harness(harness: dict[str, Any] | None) -> str:
         return "every server at its own defaults; client and server unpinned, sharing every core"
     where = (f"server pinned to cores {harness['server_cores']}, client to {harness['client_cores']}" if harness["pinning"]
              else "no core pinning (fewer than two cores)")
-    return f"the climb's `{harness['profile']}` profile settings for every server; {where}"
+    machine = f" on {harness['cpu']}" if harness.get("cpu") else ""  # recorded since the rounds ran on more than one machine
+    return f"the climb's `{harness['profile']}` profile settings for every server; {where}{machine}"
+
+
+def cpu_description() -> str:
+    """The CPU's model name and the widest vector instructions torch uses on it (AVX2, AVX512, ...)."""
+    import torch
+
+    from benchmarks.environment import cpu_model
+
+    return f"{cpu_model()}, {torch.backends.cpu.get_cpu_capability()}"
 
 
 def _run(args: argparse.Namespace, url: str, stream: bool) -> dict[str, Any]:
