@@ -385,6 +385,8 @@ def main(argv: list[str] | None = None) -> None:
     compare.add_argument("--chapters", nargs="+", default=None, help="chapters at their defaults (ch06 ch08 when no --variant)")
     compare.add_argument("--variant", type=parse_variant, action="append", default=[], metavar="LABEL=CHAPTER[:FLAGS]",
                          help="a chapter with flags of its own, e.g. caching-off=ch08:--prefix-caching=off (repeatable)")
+    compare.add_argument("--no-stream", action="store_true",
+                         help="ask every server for whole answers, chapter 8 too (what streaming each token costs it)")
     compare.add_argument("--rounds", type=int, default=1, help="run every server this many times, round by round (reversed every other round)")
     compare.add_argument("--server-args", default="", help="extra flags for every server")
     compare.add_argument("--profile", choices=("cpu",), default=None,
@@ -417,7 +419,8 @@ def main(argv: list[str] | None = None) -> None:
                 flags = [*profile_args, *args.server_args.split(), *variant.flags]
                 with running_module(modules[variant.label], flags, name=variant.label, env=server_env,
                                     cpu_cores=harness["server_cores"]) as server:
-                    record = {"streamed": variant.streams, **_run(args, server.url, variant.streams)}
+                    stream = variant.streams and not args.no_stream
+                    record = {"streamed": stream, **_run(args, server.url, stream)}
                     record.update(server_choices(server.url))
                     runs[variant.label].append(record)
         result["chapters"] = {label: median_round(rounds) for label, rounds in runs.items()}
