@@ -347,9 +347,10 @@ def packed_step_profile_block(directory: Path) -> str:
 def side_by_side_block(directory: Path, folder: str = "side-by-side") -> str:
     """Chapter 6 against chapter 8, several rounds of ``benchmarks.streaming compare`` (``<dir>/ch08/<folder>/*.json``):
     the median of the rounds per chapter, and chapter 8's over chapter 6's."""
+    streamed = ("P99 is of the whole answer; chapter 8 streams." if not folder.endswith("no-stream") else
+                "Every answer whole, chapter 8's too (`--no-stream`): its TTFT is its whole answer's time.")
     return chapter_pair_block(directory / "ch08" / folder, "ch06", "ch08", (
-        ". Both servers at their defaults (chapter 5's engine by its rule, chapter 8's attention by its rule). "
-        "P99 is of the whole answer; chapter 8 streams."))
+        ". Both servers at their defaults (chapter 5's engine by its rule, chapter 8's attention by its rule). " + streamed))
 
 
 def deploy_block(directory: Path) -> str:

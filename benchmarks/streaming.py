@@ -345,7 +345,7 @@ def describe_harness(harness: dict[str, Any] | None) -> str:
         return "every server at its own defaults; client and server unpinned, sharing every core"
     where = (f"server pinned to cores {harness['server_cores']}, client to {harness['client_cores']}" if harness["pinning"]
              else "no core pinning (fewer than two cores)")
-    machine = f" on {harness['cpu']}" if harness.get("cpu") else ""  # recorded since the rounds ran on more than one machine
+    machine = f"; CPU: {harness['cpu']}" if harness.get("cpu") else ""  # recorded since the rounds ran on more than one machine
     return f"the climb's `{harness['profile']}` profile settings for every server; {where}{machine}"
 
 

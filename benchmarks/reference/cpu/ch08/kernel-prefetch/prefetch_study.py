@@ -8,10 +8,18 @@ From the repository root, one core, as the servers run:
 
     taskset -c 0 python benchmarks/reference/cpu/ch08/kernel-prefetch/prefetch_study.py \
         > benchmarks/reference/cpu/ch08/kernel-prefetch/results.txt
+
+Where the build without it spends its time, instruction by instruction (``perf-annotate-without.txt``;
+``--build-dir`` keeps the two builds so that perf can read their code):
+
+    perf record -o /tmp/prefetch.data python benchmarks/reference/cpu/ch08/kernel-prefetch/prefetch_study.py --build-dir /tmp/prefetch
+    perf annotate -i /tmp/prefetch.data --stdio -d off.so -s paged_decode_bf16 | awk '$1 + 0 >= 1' \
+        > benchmarks/reference/cpu/ch08/kernel-prefetch/perf-annotate-without.txt
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import platform
 import random
@@ -73,12 +81,17 @@ def timed(kernel, case) -> tuple[float, torch.Tensor, torch.Tensor]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--build-dir", type=Path, default=None, help="build here and keep the builds (default: a temporary folder)")
+    args = parser.parse_args()
     torch.set_num_threads(1)
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.machine())
     print(f"{cpu}, torch {torch.__version__}, {ROUNDS} interleaved rounds of {CALLS} calls")
-    with tempfile.TemporaryDirectory() as directory:
-        kernels = {"without prefetch": build(Path(directory), "off", "-DAHEAD=0"), "with prefetch": build(Path(directory), "on")}
+    with tempfile.TemporaryDirectory() as temporary:
+        directory = args.build_dir or Path(temporary)
+        directory.mkdir(parents=True, exist_ok=True)
+        kernels = {"without prefetch": build(directory, "off", "-DAHEAD=0"), "with prefetch": build(directory, "on")}
         for workload, contexts in WORKLOADS.items():
             case = inputs(contexts)
             ms: dict[str, list[float]] = {name: [] for name in kernels}
