@@ -215,6 +215,7 @@ def test_onnx_engine_reads_the_pool_without_changing_it(engine_for) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # times every engine; the table's rule is tested above on rows, the served rule in test_ch05_server.py
 def test_tradeoffs_command_writes_json_and_table(tmp_path, default_model: LoadedModel, capsys) -> None:
     tradeoffs.main(["--engines", "eager", "tensorrt", "--precisions", "fp32", "--batch", "2", "--torch-threads", "0",
                     "--latency-runs", "1", "--throughput-runs", "1", "--out", str(tmp_path)])
