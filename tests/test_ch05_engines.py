@@ -41,6 +41,9 @@ MIN_TOKEN_AGREEMENT = chapter_flags.MIN_TOKEN_AGREEMENT
 # Minutes of compilation / engine building. TensorRT is only slow where it can run; elsewhere its
 # tests skip at once with the reason, so they stay in the default suite.
 SLOW_ENGINES = {"compile"} | ({"tensorrt"} if unavailable_reason("tensorrt", "fp32", torch.device("cuda")) is None else set())
+# ONNX Runtime is not among the rule's CPU candidates, and exporting the model and building its
+# sessions is the costliest build of those left: its tests run with make test-slow.
+SLOW_ENGINES |= {"onnxruntime"}
 
 COMBOS = [
     pytest.param(e, p, marks=[pytest.mark.slow] if e in SLOW_ENGINES else [], id=f"{e}-{p}")
@@ -183,6 +186,7 @@ def test_reduced_precision_tokens_mostly_agree(engine_for, default_model: Loaded
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # builds the ONNX engine (see SLOW_ENGINES)
 def test_onnx_artifacts_are_cached_and_their_cost_recorded(engine_for, default_model: LoadedModel) -> None:
     engine_for("onnxruntime", "fp32")  # built (or skipped) once for the session
     again = build_onnxruntime(default_model.model, "fp32")
@@ -192,11 +196,13 @@ def test_onnx_artifacts_are_cached_and_their_cost_recorded(engine_for, default_m
     assert any("after ONNX Runtime's optimizer" in note for note in report.notes)
 
 
+@pytest.mark.slow  # builds the ONNX engine (see SLOW_ENGINES)
 def test_int8_onnx_is_smaller_than_fp32(engine_for) -> None:
     fp32, int8 = engine_for("onnxruntime", "fp32"), engine_for("onnxruntime", "int8")
     assert int8.conversion.artifact_bytes < fp32.conversion.artifact_bytes / 2
 
 
+@pytest.mark.slow  # builds the ONNX engine (see SLOW_ENGINES)
 def test_onnx_engine_reads_the_pool_without_changing_it(engine_for) -> None:
     """Decoding reads the past through ``cache.read`` and stores only the new position."""
     engine = engine_for("onnxruntime", "fp32")
