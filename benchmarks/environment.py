@@ -40,6 +40,11 @@ def cpu_model() -> str:
     return processor_name(torch.device("cpu"))
 
 
+def cpu_description() -> str:
+    """The CPU's model name and the widest vector instructions torch uses on it (AVX2, AVX512, ...)."""
+    return f"{cpu_model()}, {torch.backends.cpu.get_cpu_capability()}"
+
+
 def _version(package: str) -> str | None:
     # importlib.metadata reads the installed version without importing the package (locust would patch us)
     try:

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.environment import cpu_description
 from chapters.ch04_memory_pool.memory_pool import KVMemoryPool
 from chapters.ch05_inference_engine.engine import build_eager
 from chapters.ch08_continuous_batching.step_thread import StepThread
@@ -127,6 +128,7 @@ def profile(steps: int, attention: str, precision: str, workload: str, kv_cache:
         f"median step {step_ms:.2f} ms: {split}; running {statistics.median(r.running for r in records):.0f}, "
         f"tokens per step {statistics.median(r.tokens for r in records):.0f}\n"
         f"schedule + prepare + update = {(step_ms - phases['model']) / step_ms:.1%} of the median step\n"
+        f"CPU: {cpu_description()}\n"
     )
     profiler = cProfile.Profile()
     profiler.enable()

@@ -321,22 +321,24 @@ def packed_step_profile_block(directory: Path) -> str:
     files = sorted((directory / "ch08").glob("profile-*.txt")) if (directory / "ch08").exists() else []
     if not files:
         return f"*No profile yet: `python -m benchmarks.profile_ch08 > {_repo_path(directory)}/ch08/profile-LABEL.txt`.*"
-    lines = ["| file | attention | engine | KV cache | workload | requests/s | median step (ms) | model share | schedule + prepare + update |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| file | attention | engine | KV cache | workload | requests/s | median step (ms) | model share | schedule + prepare + update | CPU |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for path in files:
         text = path.read_text()
         rate = re.search(r"= ([\d.]+) req/s(.*)", text)
         head = re.search(r"attention (\S+), engine (\S+), (?:KV cache (\S+), )?workload (\S+),", text)
         step = re.search(r"median step ([\d.]+) ms: .*model [\d.]+ ms \((\d+)%\)", text)
         overhead = re.search(r"schedule \+ prepare \+ update = ([\d.]+%)", text)
+        cpu = re.search(r"^CPU: (.*)$", text, re.MULTILINE)
+        cpu_cell = cpu.group(1) if cpu else "not recorded"  # files from before the line was written
         if head is None:  # the profile of the commit before the packed step: cProfile's figure only
             lines.append(f"| `{path.name}` | (before: two or more padded calls a step) | eager/fp32 | float32 | default "
-                         f"| {rate.group(1)}{' (under cProfile)' if 'cProfile' in rate.group(2) else ''} | — | — | — |")
+                         f"| {rate.group(1)}{' (under cProfile)' if 'cProfile' in rate.group(2) else ''} | — | — | — | {cpu_cell} |")
             continue
         # profiles from before the KV cache had its own dtype kept it in the engine's activation dtype, fp32
         kv_cache = head.group(3) or "float32"
         lines.append(f"| `{path.name}` | {head.group(1)} | {head.group(2)} | {kv_cache} | {head.group(4)} | {rate.group(1)} "
-                     f"| {step.group(1)} | {step.group(2)} % | {overhead.group(1)} |")
+                     f"| {step.group(1)} | {step.group(2)} % | {overhead.group(1)} | {cpu_cell} |")
     return "\n".join(lines) + (
         "\n\nReproduce: `python -m benchmarks.profile_ch08 --attention A --precision P --kv-cache-dtype K --workload W` (each file's first "
         "lines; the rest is cProfile's report of the same steps, sorted by internal time). The `before` file's first line "
@@ -349,8 +351,16 @@ def side_by_side_block(directory: Path, folder: str = "side-by-side") -> str:
     the median of the rounds per chapter, and chapter 8's over chapter 6's."""
     streamed = ("P99 is of the whole answer; chapter 8 streams." if not folder.endswith("no-stream") else
                 "Every answer whole, chapter 8's too (`--no-stream`): its TTFT is its whole answer's time.")
-    return chapter_pair_block(directory / "ch08" / folder, "ch06", "ch08", (
+    block = chapter_pair_block(directory / "ch08" / folder, "ch06", "ch08", (
         ". Both servers at their defaults (chapter 5's engine by its rule, chapter 8's attention by its rule). " + streamed))
+    variants: dict[str, str] = {}  # label -> flags, of any --variant the same rounds also ran
+    for path in sorted((directory / "ch08" / folder).glob("*.json")):
+        variants.update({label: v["flags"] for label, v in json.loads(path.read_text()).get("variants", {}).items()
+                         if label not in ("ch06", "ch08")})
+    for label, flags in sorted(variants.items()):
+        table = chapter_pair_block(directory / "ch08" / folder, "ch06", label, "").split("\n\nReproduce")[0]
+        block += f"\n\nIn the same rounds, `{label}`: chapter 8 with `{flags}`:\n\n" + table
+    return block
 
 
 def deploy_block(directory: Path) -> str:

@@ -324,7 +324,7 @@ def harness_settings(profile_name: str | None) -> tuple[dict[str, Any], list[str
         return unpinned_harness(), [], {}
     import os
 
-    from benchmarks.environment import git_state
+    from benchmarks.environment import cpu_description, git_state
     from benchmarks.profiles import get_profile
 
     profile = get_profile(profile_name)
@@ -347,15 +347,6 @@ def describe_harness(harness: dict[str, Any] | None) -> str:
              else "no core pinning (fewer than two cores)")
     machine = f"; CPU: {harness['cpu']}" if harness.get("cpu") else ""  # recorded since the rounds ran on more than one machine
     return f"the climb's `{harness['profile']}` profile settings for every server; {where}{machine}"
-
-
-def cpu_description() -> str:
-    """The CPU's model name and the widest vector instructions torch uses on it (AVX2, AVX512, ...)."""
-    import torch
-
-    from benchmarks.environment import cpu_model
-
-    return f"{cpu_model()}, {torch.backends.cpu.get_cpu_capability()}"
 
 
 def _run(args: argparse.Namespace, url: str, stream: bool) -> dict[str, Any]:
