@@ -175,6 +175,35 @@ def climb_block(results: Mapping[str, BenchmarkResult], directory: Path, readme:
     return "\n\n".join(parts)
 
 
+# Climbs of some chapters only, kept in a folder of their own (``key`` -> folder under the cpu reference, how it was run).
+PARTIAL_CLIMBS = {
+    "ch08-climb-avx2": ("ch08/climb-avx2", "`python -m benchmarks climb --profile cpu --chapters ch05,ch06,ch07,ch08 --repeat 3 "
+                        "--out benchmarks/reference/cpu/ch08/climb-avx2` (three interleaved rounds, each chapter's median run "
+                        "kept; `climb.log` beside the results is the command's output, every round's every level)"),
+}
+
+
+def partial_climb_block(directory: Path, how: str, readme: Path) -> str:
+    """The climb of the chapters ``directory`` holds (a :data:`PARTIAL_CLIMBS` folder, made as ``how`` says): the
+    climb's own table, those chapters only, and the last chapter's ratios to each other one."""
+    results = load_results(directory, "default") if directory.exists() else {}
+    if not results:
+        return f"*No results yet: {how}.*"
+    calibration = render_calibration(find_calibration(list(results.values())), None)
+    table = render_table(results, sorted({r.chapter for r in results.values()}), {}, "", {}, calibration)
+    _, climb_png, latency_png = report_names("default")
+    images = "\n".join(f"![{alt}]({_relative(directory / name, readme)})"
+                       for name, alt in ((climb_png, "QPS and P99 per chapter"), (latency_png, "P50 and P99 against load"))
+                       if (directory / name).exists())
+    rows = {r.chapter: measured_row(r, None) for r in results.values() if r.label == r.chapter}
+    last = max(rows)
+    ratios = "; ".join(
+        f"{last} / {c}: QPS **{rows[last].qps / row.qps:.2f}×**, P99 at {row.top_users} users {rows[last].p99_top_ms / row.p99_top_ms:.2f}×"
+        for c, row in sorted(rows.items()) if c != last and row.qps and row.p99_top_ms and rows[last].top_users == row.top_users)
+    ratios = f"The last chapter against each other one (each chapter's median run of the rounds): {ratios}." if ratios else ""
+    return "\n\n".join(part for part in (table.strip(), ratios, images, f"Reproduce: {how}.") if part)
+
+
 def machines_block(this: Mapping[str, BenchmarkResult], previous: Mapping[str, BenchmarkResult]) -> str:
     """The same climb on two machines: each chapter's saturation QPS, its ratio to chapter 1, and this
     machine's QPS over the previous one's (how far a learner's figures may sit from the reference)."""
@@ -596,13 +625,16 @@ def _event_cost_sentence(folder: Path) -> str:
             f"is **{run['cost_share_at_cap']:.1%}** of the server's time. Reproduce: `{run['command']}`.")
 
 
-def decode_attention_block(directory: Path) -> str:
+def decode_attention_block(directory: Path, folder: str = "") -> str:
     """One layer's decode attention, every candidate side by side (``benchmarks.decode_attention``,
-    ``<dir>/ch08/decode-attention-<workload>.json``), and the rest of the step eager against compiled."""
-    files = sorted((directory / "ch08").glob("decode-attention-*.json")) if (directory / "ch08").exists() else []
+    ``<dir>/ch08/decode-attention-<workload>.json``, or every JSON file of ``<dir>/ch08/<folder>/``: another
+    machine's), and the rest of the step eager against compiled."""
+    where = directory / "ch08" / folder
+    files = sorted(where.glob("*.json" if folder else "decode-attention-*.json")) if where.exists() else []
     if not files:
+        name = f"{folder}/mixed.json" if folder else "decode-attention-default.json"
         return (f"*No measurement yet: `python -m benchmarks.decode_attention --workload default --out "
-                f"{_repo_path(directory)}/ch08/decode-attention-default.json` records one.*")
+                f"{_repo_path(directory)}/ch08/{name}` records one.*")
     runs = sorted((json.loads(path.read_text()) for path in files),
                   key=lambda run: (run["workload"], run["attention"]["block_tokens"]))
     names = list(runs[0]["attention"]["per_layer"])
@@ -668,8 +700,8 @@ def render_key(key: str, results: Mapping[str, BenchmarkResult], directory: Path
         return kv_share_block(directory)
     if key == "ch08-prefix-caching":
         return prefix_caching_block(directory)
-    if key == "ch08-decode-attention":
-        return decode_attention_block(directory)
+    if key.startswith("ch08-decode-attention"):  # ch08-decode-attention-avx2: the folder decode-attention-avx2
+        return decode_attention_block(directory, "" if key == "ch08-decode-attention" else key.removeprefix("ch08-"))
     if key == "ch08-sampling":
         return sampling_block(directory)
     if key == "streaming":
@@ -679,6 +711,9 @@ def render_key(key: str, results: Mapping[str, BenchmarkResult], directory: Path
         return machines_block(results, load_results(previous, "default") if previous.exists() else {})
     if key == "climb":
         return climb_block(results, directory, readme, profile)
+    if key in PARTIAL_CLIMBS:
+        folder, how = PARTIAL_CLIMBS[key]
+        return partial_climb_block(REFERENCE_ROOT / "cpu" / folder, how, readme)
     if key in results:
         return comparison_block(results[key], previous_result(key, results), directory, readme, profile)
     if re.fullmatch(r"ch\d\d", key):

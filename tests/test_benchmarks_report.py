@@ -280,6 +280,55 @@ def test_the_decode_attention_block_shows_every_candidate_and_the_compiled_step(
     assert "No measurement yet" in decode_attention_block(tmp_path / "elsewhere")
 
 
+def test_a_decode_attention_folder_is_its_own_block(tmp_path: Path):
+    from benchmarks.readme_blocks import decode_attention_block
+
+    timing = {"min_ms": 2.0, "median_ms": 3.0}
+    run = {"workload": "mixed", "rounds": 3, "torch": "2.x", "cpu": "another CPU", "command": "python -m benchmarks.decode_attention",
+           "attention": {"engine": "eager/fp32", "kv_cache_dtype": "float32", "rows": 64, "block_tokens": 16,
+                         "context_median": 98, "context_max": 305, "bytes_read_mb": 13.7,
+                         "per_layer": {"kernel call": timing}, "gb_per_s_at_min": {"kernel call": 6.9}},
+           "step_without_attention": None}
+    (tmp_path / "ch08" / "decode-attention-avx2").mkdir(parents=True)
+    (tmp_path / "ch08" / "decode-attention-avx2" / "mixed.json").write_text(json.dumps(run))
+    text = decode_attention_block(tmp_path, "decode-attention-avx2")
+    assert "| mixed | 64 | 16 | 98 / 305 | 13.7 | 2.00 (6.9 GB/s) |" in text and "another CPU" in text
+    assert "No measurement yet" in decode_attention_block(tmp_path)  # the folder is not the first machine's files
+
+
+def test_a_side_by_side_folder_shows_each_variant_against_chapter_6(tmp_path: Path):
+    from benchmarks.readme_blocks import side_by_side_block
+
+    def figures(qps: float, p99: float) -> dict:
+        return {"qps": qps, "e2e_ms": {"p99": p99}, "ttft_ms": {"p99": 100.0}, "errors": {}}
+
+    folder = tmp_path / "ch08" / "side-by-side-x"
+    folder.mkdir(parents=True)
+    for index, (variant_qps, variant_p99) in enumerate(((30.0, 500.0), (40.0, 700.0), (35.0, 600.0))):
+        run = {"workload": "mixed", "users": 64, "command": f"compare round {index}", "harness": None,
+               "variants": {"ch06": {"chapter": "ch06", "flags": ""}, "ch08": {"chapter": "ch08", "flags": ""},
+                            "ch08-kv": {"chapter": "ch08", "flags": "--kv-cache-dtype=bf16"}},
+               "chapters": {"ch06": figures(10.0, 1000.0), "ch08": figures(25.0, 800.0), "ch08-kv": figures(variant_qps, variant_p99)}}
+        (folder / f"round{index}.json").write_text(json.dumps(run))
+    text = side_by_side_block(tmp_path, "side-by-side-x")
+    assert "| mixed | 64 | 3 | 10.0 | 25.0 | 2.50× | 1,000 | 800 | 0.80× | 100 | 0 |" in text
+    # the variant: medians 35 QPS and 600 ms over chapter 6's 10 and 1,000
+    assert "`ch08-kv`: chapter 8 with `--kv-cache-dtype=bf16`" in text
+    assert "| mixed | 64 | 3 | 10.0 | 35.0 | 3.50× | 1,000 | 600 | 0.60× | 100 | 0 |" in text
+
+
+def test_a_partial_climb_shows_its_chapters_and_the_last_ones_ratios(tmp_path: Path):
+    from benchmarks.readme_blocks import partial_climb_block
+
+    write_synthetic_climb(tmp_path)
+    text = partial_climb_block(tmp_path, "`the command`", tmp_path / "README.md")
+    assert "| ch02 | 25.0 |" in text and "| ch03 |" not in text  # the chapters measured, no others
+    # ch02 peaks at 25 QPS, ch01 at 21: 1.19; P99 at 64 users 2,700 against 3,300: 0.82; the variant is left out
+    assert "ch02 / ch01: QPS **1.19×**, P99 at 64 users 0.82×." in text and "ch01-workers /" not in text
+    assert "Reproduce: `the command`." in text
+    assert "No results yet" in partial_climb_block(tmp_path / "elsewhere", "`the command`", tmp_path / "README.md")
+
+
 def test_block_keys_may_name_their_profile():
     assert split_key("climb@gpu", "cpu") == ("climb", "gpu")
     assert split_key("ch01-workers", "cpu") == ("ch01-workers", "cpu")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import platform
 import random
 import statistics
 import subprocess
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.environment import cpu_description
 from chapters.ch08_continuous_batching.paged_attention import _KERNEL_ARGUMENTS, KERNEL_FLAGS, KERNEL_SOURCE
 
 ROWS, HEADS, HEAD_DIM, BLOCK, POOL_BLOCKS, ROUNDS, CALLS = 64, 4, 64, 16, 2458, 15, 20
@@ -85,9 +85,7 @@ def main() -> None:
     parser.add_argument("--build-dir", type=Path, default=None, help="build here and keep the builds (default: a temporary folder)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.machine())
-    print(f"{cpu}, torch {torch.__version__}, {ROUNDS} interleaved rounds of {CALLS} calls")
+    print(f"{cpu_description()}, torch {torch.__version__}, {ROUNDS} interleaved rounds of {CALLS} calls")
     with tempfile.TemporaryDirectory() as temporary:
         directory = args.build_dir or Path(temporary)
         directory.mkdir(parents=True, exist_ok=True)
