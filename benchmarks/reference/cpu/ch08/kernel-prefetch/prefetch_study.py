@@ -6,13 +6,13 @@ take turns on the same inputs, round after round: 64 decode rows over a bf16 poo
 contexts drawn uniformly from the range given. The outputs and the written keys must be bit-equal.
 From the repository root, one core, as the servers run:
 
-    taskset -c 0 python benchmarks/reference/cpu/ch08/kernel-prefetch/prefetch_study.py \
+    PYTHONPATH=. taskset -c 0 python benchmarks/reference/cpu/ch08/kernel-prefetch/prefetch_study.py \
         > benchmarks/reference/cpu/ch08/kernel-prefetch/results.txt
 
 Where the build without it spends its time, instruction by instruction (``perf-annotate-without.txt``;
 ``--build-dir`` keeps the two builds so that perf can read their code):
 
-    perf record -o /tmp/prefetch.data python benchmarks/reference/cpu/ch08/kernel-prefetch/prefetch_study.py --build-dir /tmp/prefetch
+    PYTHONPATH=. perf record -o /tmp/prefetch.data python benchmarks/reference/cpu/ch08/kernel-prefetch/prefetch_study.py --build-dir /tmp/prefetch
     perf annotate -i /tmp/prefetch.data --stdio -d off.so -s paged_decode_bf16 | awk '$1 + 0 >= 1' \
         > benchmarks/reference/cpu/ch08/kernel-prefetch/perf-annotate-without.txt
 """
