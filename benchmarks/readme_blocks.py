@@ -195,11 +195,12 @@ def partial_climb_block(directory: Path, how: str, readme: Path) -> str:
     images = "\n".join(f"![{alt}]({_relative(directory / name, readme)})"
                        for name, alt in ((climb_png, "QPS and P99 per chapter"), (latency_png, "P50 and P99 against load"))
                        if (directory / name).exists())
-    rows = {r.chapter: measured_row(r, None) for r in results.values() if r.label == r.chapter}
-    last = max(rows)
+    rows = {r.chapter: measured_row(r, None) for r in results.values() if r.label == r.chapter}  # variants left out
+    last = max(rows, default=None)
     ratios = "; ".join(
         f"{last} / {c}: QPS **{rows[last].qps / row.qps:.2f}×**, P99 at {row.top_users} users {rows[last].p99_top_ms / row.p99_top_ms:.2f}×"
-        for c, row in sorted(rows.items()) if c != last and row.qps and row.p99_top_ms and rows[last].top_users == row.top_users)
+        for c, row in sorted(rows.items())
+        if c != last and row.qps and row.p99_top_ms and rows[last].qps and rows[last].top_users == row.top_users)
     ratios = f"The last chapter against each other one (each chapter's median run of the rounds): {ratios}." if ratios else ""
     return "\n\n".join(part for part in (table.strip(), ratios, images, f"Reproduce: {how}.") if part)
 
