@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from benchmarks.environment import cpu_model
 from benchmarks.results import print_and_save
 from chapters.ch04_memory_pool.memory_pool import KVMemoryPool
-from chapters.ch05_inference_engine.engine import build_eager
+from chapters.ch05_inference_engine.engine import build_eager, multiplies_in_bf16
 from chapters.ch08_continuous_batching.model_runner import packed_model
 from chapters.ch08_continuous_batching.paged_attention import (
     FlexAttention, GatherAttention, KernelAttention, block_table_tensor, scattered_decode_inputs,
@@ -105,7 +105,7 @@ def attention_part(workload: str, rows: int, rounds: int, precision: str, seed: 
     loaded = load_model("default")
     config = loaded.config
     engine = build_eager(loaded.model, precision)
-    kv_dtype = kv_cache_dtype("auto", engine.precision, engine.dtype)
+    kv_dtype = kv_cache_dtype("auto", multiplies_in_bf16(engine), engine.dtype)
     settings = ContinuousSettings()
     pool = KVMemoryPool(config, 512 * rows * 2, block_tokens=block_tokens or settings.block_tokens, dtype=kv_dtype)
     store = PagedKVStore(pool)

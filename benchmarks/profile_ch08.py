@@ -38,7 +38,7 @@ import torch
 
 from benchmarks.environment import cpu_description
 from chapters.ch04_memory_pool.memory_pool import KVMemoryPool
-from chapters.ch05_inference_engine.engine import build_eager
+from chapters.ch05_inference_engine.engine import build_eager, multiplies_in_bf16
 from chapters.ch08_continuous_batching.step_thread import StepThread
 from chapters.ch08_continuous_batching.model_runner import ModelRunner, packed_model
 from chapters.ch08_continuous_batching.paged_attention import choose_attention
@@ -90,7 +90,7 @@ def closed_loop(attention: str, precision: str, workload: str, kv_cache: str = "
     settings = ContinuousSettings(**({"prefix_caching": prefix_caching} if prefix_caching else {}))
     step_engine = build_eager(loaded.model, precision)
     model = packed_model(step_engine)
-    kv_dtype = kv_cache_dtype(kv_cache, step_engine.precision, step_engine.dtype)
+    kv_dtype = kv_cache_dtype(kv_cache, multiplies_in_bf16(step_engine), step_engine.dtype)
     pool = KVMemoryPool(loaded.config, 512 * 64 * 2, block_tokens=settings.block_tokens, dtype=kv_dtype)
     store = PagedKVStore(pool, prefix_caching=settings.prefix_caching == "on")  # as the server runs by default
     backend = choose_attention(attention, store, model, settings.max_num_seqs)

@@ -12,6 +12,7 @@ The tolerances come from the trade-off run committed in ``benchmarks/reference/c
 
 from __future__ import annotations
 
+import copy
 import json
 from types import SimpleNamespace
 
@@ -292,6 +293,44 @@ def test_the_auto_rule_is_the_fastest_within_tolerance_that_pays_over_fp32() -> 
     assert pick(rows) == ("eager", "fp32")  # nothing pays enough: stay exact
     rows[2]["accuracy"] = 0.975  # int8 back within 2 points of fp32: the fastest wins
     assert pick(rows) == ("eager", "int8")
+
+
+def test_a_bf16_engine_multiplies_in_bf16_only_where_its_measurement_said_bf16_wins(default_model: LoadedModel) -> None:
+    from chapters.ch05_inference_engine.bf16_matmul import NEVER, with_bf16_matmuls
+    from chapters.ch05_inference_engine.engine import ConversionReport, TorchModuleEngine, build_eager, multiplies_in_bf16
+
+    def bf16_engine(min_rows: int) -> TorchModuleEngine:  # the crossover given, not measured: both outcomes on any CPU
+        module = with_bf16_matmuls(copy.deepcopy(default_model.model), min_rows=min_rows)
+        return TorchModuleEngine("eager", "bf16", module, default_model.config, default_model.model.device, torch.float32,
+                                 ConversionReport())
+
+    assert multiplies_in_bf16(bf16_engine(16))
+    assert not multiplies_in_bf16(bf16_engine(NEVER))  # bf16 lost at every size: fp32 products under another name
+    assert not multiplies_in_bf16(build_eager(default_model.model, "fp32"))
+
+
+def test_the_auto_rule_measures_in_turns_and_never_a_bf16_engine_that_computes_as_fp32(default_model: LoadedModel, monkeypatch) -> None:
+    from chapters.ch05_inference_engine import engines
+    from chapters.ch05_inference_engine.bf16_matmul import NEVER
+
+    real_build = engines.BUILDERS["eager"]
+
+    def build(model, precision: str):
+        engine = real_build(model, precision)
+        if precision == "bf16":  # as on a CPU without bf16 instructions, whatever this one has
+            engine.module.bf16_tuning = {"min_rows": NEVER, "timings_us": {}}
+        return engine
+
+    probed: list[str] = []
+    monkeypatch.setitem(engines.BUILDERS, "eager", build)
+    monkeypatch.setattr(engines, "batched_greedy", lambda engine, *args, **kwargs: probed.append(engine.precision))
+    monkeypatch.setattr(engines, "evaluate", lambda *args, **kwargs: SimpleNamespace(accuracy=1.0))
+    choice = engines.measure_candidates(default_model.model, [("eager", "fp32"), ("eager", "bf16")])
+    assert [(r["engine"], r["precision"]) for r in choice["measured"]] == [("eager", "fp32")]
+    assert choice["chosen"] == ("eager", "fp32")
+    probed.clear()
+    engines.measure_candidates(default_model.model, [("eager", "fp32"), ("eager", "fp16")])
+    assert probed == ["fp32", "fp16"] * engines.PROBE_ROUNDS  # one probe each per round, not one candidate's three in a row
 
 
 def test_the_trade_off_table_names_the_rows_the_rule_picks() -> None:

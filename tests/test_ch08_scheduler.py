@@ -16,7 +16,7 @@ from torch import Tensor
 
 from chapters.ch03_dynamic_batching.step_loop import run_step, run_until_done
 from chapters.ch04_memory_pool.memory_pool import KVMemoryPool
-from chapters.ch05_inference_engine.engine import build_eager
+from chapters.ch05_inference_engine.engine import build_eager, multiplies_in_bf16
 from chapters.ch05_inference_engine.engines import ACCURACY_TOLERANCE, PROBE_PAIRS
 from chapters.ch08_continuous_batching.model_runner import ModelRunner, packed_model
 from chapters.ch08_continuous_batching.paged_attention import build_attention
@@ -346,9 +346,8 @@ def test_a_bf16_kv_cache_under_the_bf16_engine_keeps_the_task_accuracy_within_ch
     pairs = HELD_OUT_PAIRS[:PROBE_PAIRS]
     reference = evaluate(default_model.model, pairs).accuracy
     engine = build_eager(default_model.model, "bf16")
-    kv_dtype = kv_cache_dtype("auto", engine.precision, engine.dtype)
-    assert kv_dtype == torch.bfloat16
-    store = PagedKVStore(KVMemoryPool(default_model.config, 4096, block_tokens=16, dtype=kv_dtype))
+    # the cache the rule gives this engine where it multiplies in bf16 (elsewhere it computes as fp32: the next test)
+    store = PagedKVStore(KVMemoryPool(default_model.config, 4096, block_tokens=16, dtype=torch.bfloat16))
     served = addition_accuracy(packed_model(engine), store, attention, pairs)
     assert served >= reference - ACCURACY_TOLERANCE, f"bf16 engine + bf16 cache {served:.3f} against fp32 {reference:.3f}"
 
@@ -360,15 +359,17 @@ def test_a_bf16_kv_cache_under_the_fp32_engine_keeps_the_task_accuracy_within_ch
     reference = evaluate(default_model.model, pairs).accuracy
     engine = build_eager(default_model.model, "fp32")
     store = PagedKVStore(KVMemoryPool(default_model.config, 4096, block_tokens=16,
-                                      dtype=kv_cache_dtype("bf16", engine.precision, engine.dtype)))
+                                      dtype=kv_cache_dtype("bf16", multiplies_in_bf16(engine), engine.dtype)))
     served = addition_accuracy(packed_model(engine), store, "kernel", pairs)
     assert served >= reference - ACCURACY_TOLERANCE, f"fp32 engine + bf16 cache {served:.3f} against fp32 {reference:.3f}"
 
 
-def test_the_kv_cache_dtype_rule_follows_the_engine() -> None:
-    assert kv_cache_dtype("auto", "bf16", torch.float32) == torch.bfloat16  # the CPU's bf16 engine: fp32 activations
-    assert kv_cache_dtype("auto", "fp32", torch.float32) == torch.float32  # exact engines keep an exact cache
-    assert kv_cache_dtype("auto", "fp16", torch.float16) == torch.float16
-    assert kv_cache_dtype("fp32", "bf16", torch.float32) == torch.float32
+def test_the_kv_cache_dtype_rule_follows_what_the_engine_multiplies_in() -> None:
+    assert kv_cache_dtype("auto", True, torch.float32) == torch.bfloat16  # the CPU's bf16 engine: fp32 activations, bf16 products
+    # fp32 products (fp32 engines, and a bf16 engine on a CPU where bf16 lost at every size) keep an exact cache
+    assert kv_cache_dtype("auto", False, torch.float32) == torch.float32
+    assert kv_cache_dtype("auto", False, torch.float16) == torch.float16  # a GPU's fp16 engine: its activations' dtype
+    assert kv_cache_dtype("fp32", True, torch.float32) == torch.float32
+    assert kv_cache_dtype("bf16", False, torch.float32) == torch.bfloat16
     with pytest.raises(ValueError, match="fp8"):
-        kv_cache_dtype("fp8", "fp32", torch.float32)
+        kv_cache_dtype("fp8", False, torch.float32)

@@ -213,6 +213,19 @@ def build_eager(model: GPT, precision: str) -> TorchModuleEngine:
                              _activation_dtype(precision, model.device), report)
 
 
+def multiplies_in_bf16(engine: Engine) -> bool:
+    """Whether ``engine`` computes any matrix product in bf16.
+
+    A bf16 engine on a CPU multiplies in bf16 only from the row count its start-up measured
+    (:func:`with_bf16_matmuls`); where bf16 lost at every size measured (a CPU without bf16
+    instructions), none at all: it then computes exactly as fp32 eager does, under another name.
+    """
+    if engine.precision != "bf16":
+        return False
+    tuning = getattr(getattr(engine, "module", None), "bf16_tuning", None)
+    return tuning is None or tuning["min_rows"] < NEVER
+
+
 def _activation_dtype(precision: str, device: torch.device) -> torch.dtype:
     """The dtype of activations and of the KV cache: int8 quantizes weights only, and bf16 on the CPU
     multiplies in bf16 but keeps everything else fp32 (:class:`Bf16MatmulLinear`)."""

@@ -29,6 +29,7 @@ from chapters.ch05_inference_engine.engine import (
     Engine,
     EngineUnavailable,
     build_eager,
+    multiplies_in_bf16,
     torchao_missing_reason,
 )
 from chapters.ch05_inference_engine.onnx_engine import (
@@ -46,7 +47,8 @@ from shared.paths import ENGINE_CACHE_DIR
 log = logging.getLogger(__name__)
 
 RULE = (
-    "Measure, on this machine, every candidate that can run here (CANDIDATES): its decode throughput on a "
+    "Measure, on this machine, every candidate that can run here (CANDIDATES; not a bf16 one that computes as fp32 "
+    "here), in turns: its decode throughput on a "
     "batch like the server's, and its accuracy on the embedded model's held-out arithmetic task. Serve the "
     "fastest candidate whose accuracy is within ACCURACY_TOLERANCE of fp32 eager's and whose throughput beats "
     "fp32 eager's by at least MIN_SPEEDUP; if none does, serve fp32 eager (the oracle's exact tokens)."
@@ -68,7 +70,7 @@ ACCURACY_TOLERANCE = 0.02  # task accuracy a reduced precision may lose against 
 # A faster candidate must beat fp32 eager by more than run-to-run noise before it is worth giving
 # up the oracle's exact tokens.
 MIN_SPEEDUP = 1.10
-PROBE_BATCH, PROBE_PROMPT, PROBE_STEPS, PROBE_PAIRS = 32, 32, 8, 300
+PROBE_BATCH, PROBE_PROMPT, PROBE_STEPS, PROBE_PAIRS, PROBE_ROUNDS = 32, 32, 8, 300, 3
 
 
 def unavailable_reason(engine: str, precision: str, device: torch.device) -> str | None:
@@ -129,24 +131,38 @@ def choose_default(model: GPT) -> tuple[str, str]:
 
 
 def measure_candidates(model: GPT, candidates: list[tuple[str, str]]) -> dict:
-    """Throughput and accuracy of each candidate (a few seconds each), and the rule's pick."""
+    """Throughput and accuracy of each candidate (a few seconds each), and the rule's pick.
+
+    The candidates take turns, one probe each per round (PROBE_ROUNDS rounds, the median per
+    candidate), so that a shared machine's drift during the measurement hits them all alike. A bf16
+    candidate that computes exactly as fp32 eager (:func:`multiplies_in_bf16`) is not measured: only
+    noise could make it win, and winning would give up the exact tokens for nothing.
+    """
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (PROBE_PROMPT,), generator=generator).tolist() for _ in range(PROBE_BATCH)]
-    rows = []
+    engines: dict[tuple[str, str], Engine] = {}
     for engine_name, precision in candidates:
         try:
             engine = BUILDERS[engine_name](model, precision)
         except EngineUnavailable as exc:
             log.info("auto engine: %s/%s cannot run here: %s", engine_name, precision, exc)
             continue
-        seconds = []
-        for _ in range(3):
+        if precision == "bf16" and not multiplies_in_bf16(engine):
+            log.info("auto engine: %s/bf16 is not measured: it computes as fp32 eager here (%s)",
+                     engine_name, "; ".join(engine.conversion.notes))
+            continue
+        engines[engine_name, precision] = engine
+    seconds: dict[tuple[str, str], list[float]] = {key: [] for key in engines}
+    for _ in range(PROBE_ROUNDS):
+        for key, engine in engines.items():
             started = time.perf_counter()
             batched_greedy(engine, prompts, [PROBE_STEPS] * PROBE_BATCH, pad_id=0)
-            seconds.append(time.perf_counter() - started)
+            seconds[key].append(time.perf_counter() - started)
+    rows = []
+    for (engine_name, precision), engine in engines.items():
         score = evaluate(lambda ids: engine.prefill(ids, None, None, None)[:, None, :], HELD_OUT_PAIRS[:PROBE_PAIRS], device=model.device)
         rows.append({"engine": engine_name, "precision": precision,
-                     "requests_per_s": PROBE_BATCH / statistics.median(seconds), "accuracy": score.accuracy})
+                     "requests_per_s": PROBE_BATCH / statistics.median(seconds[engine_name, precision]), "accuracy": score.accuracy})
     return {"measured": rows, "chosen": pick(rows), "rule": RULE}
 
 
@@ -171,6 +187,7 @@ def pick(rows: list[dict]) -> tuple[str, str]:
 
 
 def _choice_path(model: GPT, candidates: list[tuple[str, str]]) -> Path:
-    key = f"{weights_fingerprint(model)}-{processor_name(model.device)}-{torch.__version__}-{torch.get_num_threads()}-{candidates}"
+    # The rule's text is in the key: a choice made by an older rule (or an older way of measuring) is measured again.
+    key = f"{weights_fingerprint(model)}-{processor_name(model.device)}-{torch.__version__}-{torch.get_num_threads()}-{candidates}-{RULE}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return ENGINE_CACHE_DIR / f"auto-choice-{digest}.json"

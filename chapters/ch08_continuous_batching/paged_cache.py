@@ -33,16 +33,18 @@ KV_CACHE_RULE = (
 )
 
 
-def kv_cache_dtype(name: str, precision: str, activation_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the pool's keys and values for an engine of ``precision`` computing in ``activation_dtype``.
+def kv_cache_dtype(name: str, bf16_products: bool, activation_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the pool's keys and values for an engine computing in ``activation_dtype``, which
+    multiplies in bf16 or not (``bf16_products``: chapter 5's :func:`~chapters.ch05_inference_engine.engine.multiplies_in_bf16`).
 
     A decode step reads every cached key and value of every running sequence once per layer and
     does little arithmetic with each: attention is bound by the bytes it reads, so a 2-byte cache
     halves its time. Chapter 5's bf16 engine on a CPU keeps activations in fp32
     (:mod:`~chapters.ch05_inference_engine.bf16_matmul`), but the keys and values come out of bf16
     products, so storing them in bf16 (as vLLM's CPU backend does under a bf16 model) loses little
-    more; its accuracy is measured in the tests against fp32's. fp32 engines keep an fp32 cache and
-    stay token-exact. See :data:`KV_CACHE_RULE`.
+    more; its accuracy is measured in the tests against fp32's. An engine that multiplies in fp32
+    (fp32, or a bf16 engine on a CPU where bf16 lost at every size) keeps an fp32 cache and stays
+    token-exact. See :data:`KV_CACHE_RULE`.
     """
     if name == "fp32":
         return torch.float32
@@ -50,7 +52,7 @@ def kv_cache_dtype(name: str, precision: str, activation_dtype: torch.dtype) -> 
         return torch.bfloat16
     if name != "auto":
         raise ValueError(f"unknown KV cache dtype {name!r}; choose auto, fp32 or bf16")
-    return torch.bfloat16 if precision == "bf16" else activation_dtype
+    return torch.bfloat16 if bf16_products else activation_dtype
 
 
 class PagedKVStore:

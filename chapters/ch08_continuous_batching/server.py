@@ -52,6 +52,7 @@ from pydantic_settings import BaseSettings
 from chapters.ch03_dynamic_batching.live_view import PAGE_DIR
 from chapters.ch04_memory_pool.memory_pool import KVMemoryPool
 from chapters.ch04_memory_pool.server import AdmissionOptions, PoolOptions, plan_pool
+from chapters.ch05_inference_engine.engine import multiplies_in_bf16
 from chapters.ch05_inference_engine.server import EngineOptions, engine_for
 from chapters.ch07_production.request_log import configure_json_logging
 from chapters.ch07_production.server import ProductionOptions, serve
@@ -116,7 +117,7 @@ def build_backend(settings: ContinuousSettings, loaded: LoadedModel,
     """
     step_engine = engine_for(settings, loaded)  # chapter 5: its rule's choice, or the one named
     model = packed_model(step_engine)
-    kv_dtype = kv_cache_dtype(settings.kv_cache_dtype, step_engine.precision, step_engine.dtype)
+    kv_dtype = kv_cache_dtype(settings.kv_cache_dtype, multiplies_in_bf16(step_engine), step_engine.dtype)
     plan = plan_pool(settings, settings.max_num_seqs, loaded.config, kv_dtype, step_engine.device)  # chapter 4's rule
     pool = KVMemoryPool(loaded.config, plan.capacity_tokens, block_tokens=settings.block_tokens, device=step_engine.device, dtype=kv_dtype)
     store = PagedKVStore(pool, prefix_caching=settings.prefix_caching == "on")
