@@ -45,7 +45,7 @@ from benchmarks.results import (
     save_result,
 )
 from benchmarks.server_process import pin_to_cores, running_server
-from benchmarks.server_stats import detect_source
+from benchmarks.server_stats import detect_source, server_choices
 from benchmarks.workload import (
     DEFAULT_SEED,
     PROMPT_ID_RANGE,
@@ -272,7 +272,7 @@ def run_chapter(
                               stats_source=stats_source)
             level_results.append(level)
             progress(describe_level(label, level))
-        command = server.command
+        command, choices = server.command, server_choices(server.url)
     exit_code = server.process.returncode
 
     result = BenchmarkResult(
@@ -291,7 +291,7 @@ def run_chapter(
                                         loadgen_workers),
             load_generator=LoadGenerator(workers=loadgen_workers),
         ),
-        server=ServerRun(startup_s=startup_s, warmup_s=warmup_s, exit_code=exit_code),
+        server=ServerRun(startup_s=startup_s, warmup_s=warmup_s, exit_code=exit_code, choices=choices),
         levels=level_results,
         calibration=calibration,
     )
@@ -405,7 +405,7 @@ def run_open_loop(
             if stopped is not None:
                 progress(f"  {label}: sweep stopped: {stopped}")
                 break
-        command = server.command
+        command, choices = server.command, server_choices(server.url)
     result = OpenLoopResult(
         chapter=chapter, label=label, started_at=started_at,
         finished_at=datetime.now(UTC).isoformat(timespec="seconds"),
@@ -421,7 +421,7 @@ def run_open_loop(
                                           loadgen_workers),
             load_generator=LoadGenerator(workers=loadgen_workers),
         ),
-        server=ServerRun(startup_s=startup_s, warmup_s=warmup_s, exit_code=server.process.returncode),
+        server=ServerRun(startup_s=startup_s, warmup_s=warmup_s, exit_code=server.process.returncode, choices=choices),
         levels=levels,
         stopped=stopped,
         calibration=calibration,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -193,6 +193,10 @@ class ServerRun(_Strict):
     startup_s: float = Field(description="from launch to the first healthy /healthz")
     warmup_s: float
     exit_code: int | None = Field(description="after SIGTERM; 0 or -15 is a clean stop")
+    choices: dict[str, Any] = Field(
+        default_factory=dict,
+        description="what the server said of itself in /stats at the end of the run: the engine and attention its start-up rules "
+                    "chose, its prefix cache's counters (benchmarks.server_stats.server_choices); empty when it says nothing")
 
 
 class MatmulRate(_Strict):

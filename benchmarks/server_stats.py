@@ -54,6 +54,22 @@ def read_figures(url: str, source: Source, timeout_s: float = POLL_TIMEOUT_S) ->
     return body if source == "stats" else {"batcher": body.get("batcher") or {}}
 
 
+def server_choices(url: str, timeout_s: float = 10.0) -> dict[str, Any]:
+    """What the server says of itself in ``/stats`` at the end of a run: the engine and attention its
+    start-up rules chose and its prefix cache's counters (over its whole run, warm-up included), where
+    it has them (chapter 5's engine from chapter 5 on, chapter 8's attention and prefix cache); empty
+    when it says nothing. A rule that measures at start-up can choose differently on another day, so
+    every result keeps what its server ran."""
+    figures = read_figures(url, "stats", timeout_s)
+    if figures is None:
+        return {}
+    scheduler, engine = figures.get("scheduler"), figures.get("engine")
+    chosen = {"prefix_cache": scheduler.get("prefix_cache") if isinstance(scheduler, Mapping) else None,
+              "attention": figures.get("attention"),
+              "engine": {k: engine.get(k) for k in ("engine", "precision", "dtype")} if isinstance(engine, Mapping) else None}
+    return {key: value for key, value in chosen.items() if value is not None}
+
+
 def flatten_numbers(figures: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
     """Every numeric leaf of ``figures`` as ``{"pool.blocks_used": 12.0}``; booleans, text and the
     ``batch_sizes`` histogram (kept apart) left out."""

@@ -71,9 +71,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import httpx
 
 from benchmarks.results import print_and_save
+from benchmarks.server_stats import server_choices
 from benchmarks.workload import PROMPT_ID_RANGE, PROMPT_LENGTHS
 from benchmarks.workload import WORKLOADS as HARNESS_WORKLOADS
 
@@ -148,23 +148,6 @@ def planned_variants(chapters: list[str] | None, variants: list[Variant]) -> lis
     if duplicates := sorted({label for label in labels if labels.count(label) > 1}):
         raise ValueError(f"every server compared needs its own label; repeated: {', '.join(duplicates)}")
     return plan
-
-
-def server_choices(url: str) -> dict[str, Any]:
-    """What the server says of itself in ``/stats`` at the end of a run: the prefix cache's counters (over its
-    whole run, warm-up included) and the engine and attention its start-up rules chose, where it has them
-    (chapter 8's); empty when it says nothing."""
-    try:
-        stats = httpx.get(f"{url}/stats", timeout=10).json()
-    except (httpx.HTTPError, ValueError):
-        return {}
-    if not isinstance(stats, dict):
-        return {}
-    scheduler, engine = stats.get("scheduler"), stats.get("engine")
-    chosen = {"prefix_cache": scheduler.get("prefix_cache") if isinstance(scheduler, dict) else None,
-              "attention": stats.get("attention"),
-              "engine": {k: engine.get(k) for k in ("engine", "precision", "dtype")} if isinstance(engine, dict) else None}
-    return {key: value for key, value in chosen.items() if value is not None}
 
 
 def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:

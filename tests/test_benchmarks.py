@@ -104,6 +104,7 @@ def test_batch_sizes_are_recorded_from_the_server(tmp_path: Path):
     # every request of the level went through the batcher: at least the measured ones (the first round too)
     assert series.requests >= level.requests_ok + level.requests_failed
     assert len(series.points) >= 2 and all("t_s" in point for point in series.points)
+    assert result.server.choices == {}  # chapter 3 has no start-up rule (chapter 5's engine comes later)
 
 
 @pytest.mark.slow

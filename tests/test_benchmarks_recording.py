@@ -6,7 +6,10 @@ Pure functions on hand-computed inputs, plus the open loop against the harness's
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -36,7 +39,7 @@ from benchmarks.results import (
     summarize_level,
     summarize_open_level,
 )
-from benchmarks.server_stats import batch_counters, flatten_numbers, histogram_delta
+from benchmarks.server_stats import batch_counters, flatten_numbers, histogram_delta, server_choices
 from benchmarks.synthetic import (
     SyntheticLevel,
     rich_synthetic_result,
@@ -292,3 +295,57 @@ def test_open_loop_against_the_instant_server(tmp_path: Path):
     assert level.requests_ok == level.arrivals and level.goodput_rps == pytest.approx(level.arrivals / 2.0)
     assert level.server_series is None and level.resource_series
     assert level.max_outstanding_seen <= 32
+
+
+# ---------------------------------------------------------------- what the server chose
+
+
+@contextlib.contextmanager
+def _stats_server(body: object, status: int = 200):
+    """A loopback HTTP server whose ``GET /stats`` answers ``body`` as JSON with ``status``."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            payload = json.dumps(body).encode()
+            self.send_response(status if self.path == "/stats" else 404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_server_choices_keep_what_the_start_up_rules_chose_and_nothing_else():
+    # /stats as chapter 8 writes it: chapter 5's engine description, the attention backend, the scheduler
+    stats = {"engine": {"engine": "eager", "precision": "fp32", "dtype": "float32", "device": "cpu", "conversion": {"seconds": 0.1}},
+             "attention": "kernel", "scheduler": {"running": 3, "prefix_cache": {"hit_rate": 0.25}}, "in_flight": 7}
+    with _stats_server(stats) as url:
+        assert server_choices(url) == {"engine": {"engine": "eager", "precision": "fp32", "dtype": "float32"},
+                                       "attention": "kernel", "prefix_cache": {"hit_rate": 0.25}}
+    with _stats_server({"engine": {"engine": "eager", "precision": "bf16", "dtype": "bfloat16"}, "batcher": {}}) as url:
+        assert server_choices(url) == {"engine": {"engine": "eager", "precision": "bf16", "dtype": "bfloat16"}}  # chapters 5-6
+    with _stats_server({"batcher": {"batches": 3}}) as url:
+        assert server_choices(url) == {}  # a chapter with no start-up rule
+    with _stats_server({"detail": "not found"}, status=404) as url:
+        assert server_choices(url) == {}  # no /stats (chapter 1)
+
+
+def test_a_result_keeps_its_servers_choices_and_older_results_load_without_them(tmp_path: Path):
+    result = synthetic_result("ch08", [SyntheticLevel(users=1, qps=10.0, p50_ms=80.0, p99_ms=120.0)])
+    assert result.server.choices == {}  # not given: nothing is made up
+    chosen = result.model_copy(update={"server": result.server.model_copy(update={"choices": {"engine": {"engine": "eager"}}})})
+    path = save_result(chosen, tmp_path)
+    assert load_result(path).server.choices == {"engine": {"engine": "eager"}}
+    assert load_result(REFERENCE_ROOT / "cpu-previous" / "ch03.json").server.choices == {}

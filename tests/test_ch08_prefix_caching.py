@@ -309,7 +309,7 @@ def test_the_prefix_caching_setting_is_on_by_default_and_can_be_turned_off() -> 
 
 @pytest.mark.parametrize("setting", ["on", "off"])
 def test_stats_and_metrics_report_the_prefix_cache(oracle, setting: str) -> None:
-    app = build_app(settings(prefix_caching=setting))
+    app = build_app(settings(prefix_caching=setting, block_tokens=16))  # the server's 128 would hold no full block of 60
     tokens = list(range(40, 100))  # 60 tokens: three full blocks of 16 before the last token
 
     async def scenario(client: httpx.AsyncClient) -> None:

@@ -202,8 +202,8 @@ def mixed_requests(n: int, seed: int, max_new: int) -> list[tuple[list[int], int
 
 
 def real_setup(default_model, policy: str, pool_tokens: int, max_num_seqs: int = 16, budget: int = 128,
-               attention: str = "gather") -> tuple[ContinuousScheduler, ModelRunner]:
-    pool = KVMemoryPool(default_model.config, pool_tokens, block_tokens=16)
+               attention: str = "gather", block_tokens: int = 16) -> tuple[ContinuousScheduler, ModelRunner]:
+    pool = KVMemoryPool(default_model.config, pool_tokens, block_tokens=block_tokens)
     store = PagedKVStore(pool)
     scheduler = ContinuousScheduler(store, SchedulerConfig(max_num_seqs, budget, policy))
     return scheduler, ModelRunner(default_model.model, store, build_attention(attention, store))
@@ -249,6 +249,15 @@ def test_every_attention_backend_reads_the_paged_cache_right_through_the_fake_mo
 def test_the_in_place_backends_give_the_oracles_tokens_under_chunked_prefill_and_preemption(default_model, oracle, attention: str) -> None:
     scheduler, runner = real_setup(default_model, "grow", 528, max_num_seqs=8, budget=64, attention=attention)
     check_against_oracle(default_model, oracle, (scheduler, runner), mixed_requests(12, seed=8, max_new=32))
+    assert scheduler.stats.preemptions > 0
+
+
+@pytest.mark.parametrize("attention", ["gather", "kernel"])
+def test_the_servers_blocks_of_128_give_the_oracles_tokens_under_chunked_prefill_and_preemption(default_model, oracle, attention: str) -> None:
+    # the server's default block: a prompt chunk and a history then share one block, and a preempted
+    # sequence gives back a few large blocks
+    scheduler, runner = real_setup(default_model, "grow", 512, max_num_seqs=8, budget=64, attention=attention, block_tokens=128)
+    check_against_oracle(default_model, oracle, (scheduler, runner), mixed_requests(8, seed=8, max_new=160))
     assert scheduler.stats.preemptions > 0
 
 

@@ -88,6 +88,11 @@ class SchedulerOptions(BaseSettings):
     prefix_caching: Literal["on", "off"] = Field(
         "on", description="on: a request reuses the cached KV blocks of a prefix already computed (full blocks, by their tokens) | off")
     max_queue: int = AdmissionOptions.model_fields["max_queue"]  # chapter 4's knob: one meaning everywhere
+    # Chapter 4's knob with this chapter's measured default, as chapter 6 tunes chapter 3's batch: a decode
+    # step reads every running sequence's blocks from memory, and one core reads a few long runs faster
+    # than many short ones scattered over the pool (benchmarks/reference/cpu/ch08/kernel-floor/).
+    block_tokens: int = Field(128, ge=1, description="token slots per KV block (chapter 4's knob; 128 here: longer runs read faster, "
+                                                     "and vLLM's CPU backend uses 128 with its own kernels)")
     served_model_name: str = Field("", description="the model's name in /v1/models and /v1/completions (empty: the weights' name)")
 
     @model_validator(mode="after")
