@@ -82,12 +82,13 @@ class ClosedLoop:
 
 
 def closed_loop(attention: str, precision: str, workload: str, kv_cache: str = "auto", temperature: float = 0.0,
-                prefix_caching: str | None = None) -> ClosedLoop:
+                prefix_caching: str | None = None, block_tokens: int | None = None) -> ClosedLoop:
     """The loop, warmed up (``WARM_UP_STEPS``); every run of it draws the same prompts. ``prefix_caching``:
-    on or off (None: the server's default)."""
+    on or off; ``block_tokens``: the pool's block (None for either: the server's default)."""
     torch.set_num_threads(1)
     loaded = load_model("default")
-    settings = ContinuousSettings(**({"prefix_caching": prefix_caching} if prefix_caching else {}))
+    overrides = {"prefix_caching": prefix_caching, "block_tokens": block_tokens}
+    settings = ContinuousSettings(**{name: value for name, value in overrides.items() if value is not None})
     step_engine = build_eager(loaded.model, precision)
     model = packed_model(step_engine)
     kv_dtype = kv_cache_dtype(kv_cache, multiplies_in_bf16(step_engine), step_engine.dtype)
@@ -106,7 +107,7 @@ def closed_loop(attention: str, precision: str, workload: str, kv_cache: str = "
 
     sampling = f"temperature {temperature:g}" if temperature else "greedy"
     label = (f"attention {backend.name}, engine {step_engine.label}, KV cache {str(kv_dtype).removeprefix('torch.')}, "
-             f"workload {workload}, {settings.max_num_seqs} sequences, {sampling}")
+             f"workload {workload}, blocks of {settings.block_tokens}, {settings.max_num_seqs} sequences, {sampling}")
     loop = ClosedLoop(engine, new_sequence, label)
     for _ in range(settings.max_num_seqs):
         scheduler.add(new_sequence())
@@ -114,9 +115,10 @@ def closed_loop(attention: str, precision: str, workload: str, kv_cache: str = "
     return loop
 
 
-def profile(steps: int, attention: str, precision: str, workload: str, kv_cache: str = "auto", temperature: float = 0.0) -> str:
+def profile(steps: int, attention: str, precision: str, workload: str, kv_cache: str = "auto", temperature: float = 0.0,
+            block_tokens: int | None = None) -> str:
     """The step split and the cProfile report of ``steps`` engine steps, after a warm-up."""
-    loop = closed_loop(attention, precision, workload, kv_cache, temperature)
+    loop = closed_loop(attention, precision, workload, kv_cache, temperature, block_tokens=block_tokens)
     finished, elapsed, records = loop.timed(steps)
     phases = {phase: statistics.median(getattr(r, f"{phase}_ms") for r in records) for phase in loop.engine.clock.PHASES}
     step_ms = sum(phases.values())
@@ -182,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "int8"))
     parser.add_argument("--workload", default="default", choices=sorted(NEW_TOKENS))
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp32", "bf16"))
+    parser.add_argument("--block-tokens", type=int, default=None, help="the pool's block (default: the server's)")
     parser.add_argument("--temperature", type=float, default=None, help="sample at this temperature (default: greedy; 1 with --sampling-rounds)")
     parser.add_argument("--sampling-rounds", type=int, default=0, help="measure greedy against sampling, this many interleaved rounds")
     parser.add_argument("--out", type=Path, default=None, help="with --sampling-rounds: write the JSON here")
@@ -198,7 +201,8 @@ def main(argv: list[str] | None = None) -> None:
             args.out.write_text(text + "\n")
         print(text)
         return
-    print(profile(args.steps, args.attention, args.precision, args.workload, args.kv_cache_dtype, args.temperature or 0.0))
+    print(profile(args.steps, args.attention, args.precision, args.workload, args.kv_cache_dtype, args.temperature or 0.0,
+                  args.block_tokens))
 
 
 if __name__ == "__main__":

@@ -351,8 +351,9 @@ def packed_step_profile_block(directory: Path) -> str:
     files = sorted((directory / "ch08").glob("profile-*.txt")) if (directory / "ch08").exists() else []
     if not files:
         return f"*No profile yet: `python -m benchmarks.profile_ch08 > {_repo_path(directory)}/ch08/profile-LABEL.txt`.*"
-    lines = ["| file | attention | engine | KV cache | workload | requests/s | median step (ms) | model share | schedule + prepare + update | CPU |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| file | attention | engine | KV cache | block (tokens) | workload | requests/s | median step (ms) | model share "
+             "| schedule + prepare + update | CPU |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for path in files:
         text = path.read_text()
         rate = re.search(r"= ([\d.]+) req/s(.*)", text)
@@ -362,15 +363,19 @@ def packed_step_profile_block(directory: Path) -> str:
         cpu = re.search(r"^CPU: (.*)$", text, re.MULTILINE)
         cpu_cell = cpu.group(1) if cpu else "not recorded"  # files from before the line was written
         if head is None:  # the profile of the commit before the packed step: cProfile's figure only
-            lines.append(f"| `{path.name}` | (before: two or more padded calls a step) | eager/fp32 | float32 | default "
+            lines.append(f"| `{path.name}` | (before: two or more padded calls a step) | eager/fp32 | float32 | 16 | default "
                          f"| {rate.group(1)}{' (under cProfile)' if 'cProfile' in rate.group(2) else ''} | — | — | — | {cpu_cell} |")
             continue
         # profiles from before the KV cache had its own dtype kept it in the engine's activation dtype, fp32
         kv_cache = head.group(3) or "float32"
-        lines.append(f"| `{path.name}` | {head.group(1)} | {head.group(2)} | {kv_cache} | {head.group(4)} | {rate.group(1)} "
+        # profiles from before the first line named the block size ran chapter 4's default, 16 tokens
+        block = re.search(r"blocks of (\d+),", text.splitlines()[0])
+        lines.append(f"| `{path.name}` | {head.group(1)} | {head.group(2)} | {kv_cache} | {block.group(1) if block else 16} "
+                     f"| {head.group(4)} | {rate.group(1)} "
                      f"| {step.group(1)} | {step.group(2)} % | {overhead.group(1)} | {cpu_cell} |")
     return "\n".join(lines) + (
-        "\n\nReproduce: `python -m benchmarks.profile_ch08 --attention A --precision P --kv-cache-dtype K --workload W` (each file's first "
+        "\n\nReproduce: `python -m benchmarks.profile_ch08 --attention A --precision P --kv-cache-dtype K --workload W "
+        "--block-tokens B` (each file's first "
         "lines; the rest is cProfile's report of the same steps, sorted by internal time). The `before` file's first line "
         "names its command: the profiler of the commit before the packed step, whose figure is taken under cProfile "
         "(so it ran somewhat faster than it reads). One process, no client and no server: nothing to pin.")

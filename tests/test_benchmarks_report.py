@@ -317,6 +317,23 @@ def test_a_side_by_side_folder_shows_each_variant_against_chapter_6(tmp_path: Pa
     assert "| mixed | 64 | 3 | 10.0 | 35.0 | 3.50× | 1,000 | 600 | 0.60× | 100 | 0 |" in text
 
 
+def test_the_step_profile_table_names_each_files_block_size_and_older_files_the_default_of_their_day(tmp_path: Path):
+    from benchmarks.readme_blocks import packed_step_profile_block
+
+    folder = tmp_path / "ch08"
+    folder.mkdir()
+    rest = ("152 requests in 5.2 s = 29.2 req/s (4076 tokens computed/s) without a profiler\n"
+            "median step 23.26 ms: schedule 0.20 ms (1%), prepare 0.52 ms (2%), model 22.14 ms (95%), update 0.40 ms (2%)\n"
+            "schedule + prepare + update = 4.8% of the median step\nCPU: AMD EPYC, AVX2\n"
+            "   ncalls  tottime  percall  blocks of 99, (a line of cProfile's report, not the header)\n")
+    (folder / "profile-new.txt").write_text(
+        "attention kernel, engine eager/fp32, KV cache float32, workload mixed, blocks of 128, 64 sequences, greedy\n" + rest)
+    (folder / "profile-old.txt").write_text("attention kernel, engine eager/fp32, KV cache float32, workload mixed, 64 sequences, greedy\n" + rest)
+    text = packed_step_profile_block(tmp_path)
+    assert "| `profile-new.txt` | kernel | eager/fp32 | float32 | 128 | mixed | 29.2 | 23.26 | 95 % | 4.8% | AMD EPYC, AVX2 |" in text
+    assert "| `profile-old.txt` | kernel | eager/fp32 | float32 | 16 | mixed | 29.2 |" in text  # chapter 4's 16, then the server's
+
+
 def test_a_partial_climb_shows_its_chapters_and_the_last_ones_ratios(tmp_path: Path):
     from benchmarks.readme_blocks import partial_climb_block
 
