@@ -2,7 +2,8 @@
 
 The oracle here is the rule the project states (``shared/settings.py``): a knob that appears in two
 chapters is the same knob (same constraints, description and default; chapter 6's tuned batcher
-knobs alone change their defaults, which is chapter 6's lesson), no two knobs differ only by their
+knobs change their defaults, which is chapter 6's lesson, and chapter 8's pool its block size, measured
+for its paged decode: their only exceptions), no two knobs differ only by their
 unit, no chapter's settings are another chapter's settings plus more, and a refused value is a
 one-line error with exit status 2, never a traceback.
 """
@@ -22,7 +23,7 @@ from chapters.ch04_memory_pool.server import PoolSettings
 from chapters.ch05_inference_engine.server import EngineSettings
 from chapters.ch06_tuned_batching.server import TUNED_FIELDS, TunedSettings
 from chapters.ch07_production.server import ProductionSettings
-from chapters.ch08_continuous_batching.server import ContinuousSettings
+from chapters.ch08_continuous_batching.server import PAGED_FIELDS, ContinuousSettings
 from chapters.ch09_scale_out.server import ScaleOutSettings
 from shared.settings import ServerSettings, parse_settings
 
@@ -32,6 +33,7 @@ CHAPTER_SETTINGS = {
     "ch09": ScaleOutSettings,
 }
 TUNED_FROM = {"ch06", "ch07"}  # the chapters whose batcher defaults are chapter 6's tuned ones
+PAGED_FROM = {"ch08", "ch09"}  # the chapters whose pool is chapter 8's paged one, with its measured block size
 
 
 def field_meanings(name: str) -> dict[tuple, list[str]]:
@@ -42,8 +44,9 @@ def field_meanings(name: str) -> dict[tuple, list[str]]:
         if field is None:
             continue
         tuned = name in TUNED_FIELDS  # their defaults and words are chapter 6's: the next test
+        paged = name in PAGED_FIELDS  # its default is chapter 8's (the test after), its words chapter 4's
         key = (repr(field.metadata), repr(field.annotation),
-               None if tuned else field.description, None if tuned else repr(field.default))
+               None if tuned else field.description, None if tuned or paged else repr(field.default))
         meanings.setdefault(key, []).append(chapter)
     return meanings
 
@@ -61,6 +64,13 @@ def test_the_tuned_batcher_knobs_change_only_their_defaults_and_only_from_chapte
     for name in TUNED_FIELDS:
         before = {repr(CHAPTER_SETTINGS[c].model_fields[name].default) for c in ("ch03", "ch04", "ch05")}
         after = {repr(CHAPTER_SETTINGS[c].model_fields[name].default) for c in TUNED_FROM}
+        assert len(before) == len(after) == 1 and before != after, name
+
+
+def test_the_paged_pools_block_size_changes_only_its_default_and_only_from_chapter_8() -> None:
+    for name in PAGED_FIELDS:
+        before = {repr(CHAPTER_SETTINGS[c].model_fields[name].default) for c in ("ch04", "ch05", "ch06", "ch07")}
+        after = {repr(CHAPTER_SETTINGS[c].model_fields[name].default) for c in PAGED_FROM}
         assert len(before) == len(after) == 1 and before != after, name
 
 

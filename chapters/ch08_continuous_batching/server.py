@@ -88,11 +88,6 @@ class SchedulerOptions(BaseSettings):
     prefix_caching: Literal["on", "off"] = Field(
         "on", description="on: a request reuses the cached KV blocks of a prefix already computed (full blocks, by their tokens) | off")
     max_queue: int = AdmissionOptions.model_fields["max_queue"]  # chapter 4's knob: one meaning everywhere
-    # Chapter 4's knob with this chapter's measured default, as chapter 6 tunes chapter 3's batch: a decode
-    # step reads every running sequence's blocks from memory, and one core reads a few long runs faster
-    # than many short ones scattered over the pool (benchmarks/reference/cpu/ch08/kernel-floor/).
-    block_tokens: int = Field(128, ge=1, description="token slots per KV block (chapter 4's knob; 128 here: longer runs read faster, "
-                                                     "and vLLM's CPU backend uses 128 with its own kernels)")
     served_model_name: str = Field("", description="the model's name in /v1/models and /v1/completions (empty: the weights' name)")
 
     @model_validator(mode="after")
@@ -105,7 +100,20 @@ class SchedulerOptions(BaseSettings):
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.kv_policy)
 
 
-class ContinuousSettings(SchedulerOptions, PoolOptions, EngineOptions, ProductionOptions, ServerSettings):
+PAGED_FIELDS = ("block_tokens",)  # the pool knobs whose default this chapter measured (the settings tests hold the rest equal)
+
+
+class PagedPoolOptions(PoolOptions):
+    """Chapter 4's pool knobs, with the block size this chapter measured, as chapter 6 retunes chapter 3's
+    batcher: a decode step reads every running sequence's blocks from memory, and one core reads a few
+    long runs faster than many short ones scattered over the pool
+    (``benchmarks/reference/cpu/ch08/kernel-floor/``, ``side-by-side-avx2-blocks/``). vLLM's CPU
+    backend uses 128 with its own kernels. The price is coarser prefix sharing (whole blocks only)."""
+
+    block_tokens: int = Field(128, ge=1, description=PoolOptions.model_fields["block_tokens"].description)
+
+
+class ContinuousSettings(SchedulerOptions, PagedPoolOptions, EngineOptions, ProductionOptions, ServerSettings):
     """Chapter 2's knobs, chapter 4's pool size, chapter 5's engine, chapter 7's shell, the scheduler's."""
 
 
