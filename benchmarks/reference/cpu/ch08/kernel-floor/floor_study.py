@@ -10,7 +10,8 @@ they lie. Three questions, each answered in one process with its cases taking tu
 - the **layout**: each row's blocks scattered at random over the pool (as a busy pool hands them
   out) against the same blocks in order (as if each sequence's blocks were contiguous);
 - the **block size**: 16 tokens (chapter 4's, and chapter 8's before this study) against 64 and 128
-  (chapter 8's since; vLLM's CPU backend's with its own kernels), scattered.
+  (chapter 8's since; vLLM's CPU backend's with its own kernels), scattered; and 128 in order, what a
+  pool that kept each sequence's blocks together would add at that size.
 
 Four layers' pools are visited in turn with a 32 MB read between two calls (the weights a step reads
 between two attentions), so that no call finds the previous call's rows in the caches, as in a
@@ -119,7 +120,8 @@ def main() -> None:
                    "reads only": build(Path(temporary), "reads_only", reads_only_source())}
         for workload, contexts in WORKLOADS.items():
             cases = {"blocks of 16, scattered": Case(contexts, 16, True), "blocks of 16, in order": Case(contexts, 16, False),
-                     "blocks of 64, scattered": Case(contexts, 64, True), "blocks of 128, scattered": Case(contexts, 128, True)}
+                     "blocks of 64, scattered": Case(contexts, 64, True), "blocks of 128, scattered": Case(contexts, 128, True),
+                     "blocks of 128, in order": Case(contexts, 128, False)}
             times: dict[tuple[str, str], list[float]] = {}
             for _ in range(ROUNDS):
                 for case_name, case in cases.items():
