@@ -21,11 +21,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from pythonjsonlogger.json import JsonFormatter
 
 from chapters.ch06_tuned_batching.server import build_backend
-from chapters.ch07_production.deadlines import StreamDeadline
+from chapters.ch07_production.deadlines import StreamDeadline, until_disconnected
 from chapters.ch07_production.request_log import REQUEST_LOG
 from chapters.ch07_production.server import ProductionSettings, build_app
 from chapters.ch07_production.startup_heap import freeze_startup_heap
 from shared.generation import reference_greedy
+from shared.schemas import ApiError
 
 PROMPT = [5, 6, 7, 8]
 
@@ -402,6 +403,91 @@ def test_a_cancellation_that_is_not_the_deadline_stays_a_cancellation() -> None:
             await waiting
         within.cancel()
         await events.aclose()
+
+    asyncio.run(scenario())
+
+
+# ----------------------------------------------------------------------- watching the client without polling
+
+
+class Channel:
+    """An ASGI receive channel: what is put in comes out, in order; counts how often it was asked."""
+
+    def __init__(self) -> None:
+        self.messages: asyncio.Queue[dict] = asyncio.Queue()
+        self.calls = 0
+
+    async def __call__(self) -> dict:
+        self.calls += 1
+        return await self.messages.get()
+
+
+def test_work_that_finishes_first_returns_and_leaves_no_watcher_behind() -> None:
+    async def scenario() -> None:
+        channel, done = Channel(), asyncio.Event()
+
+        async def work() -> str:
+            await done.wait()
+            return "answer"
+
+        watched = asyncio.create_task(until_disconnected(work(), channel))
+        while channel.calls < 1:  # the watcher waits on the channel
+            await asyncio.sleep(0)
+        done.set()
+        assert await watched == "answer"
+        assert channel.calls == 1  # one wait on the channel for the whole request: nothing polled
+        await asyncio.sleep(0)  # the cancelled watcher runs its cancellation
+        assert asyncio.all_tasks() == {asyncio.current_task()}  # no watcher left waiting on a finished request
+
+    asyncio.run(scenario())
+
+
+def test_a_hang_up_cancels_the_work_and_answers_499_and_body_chunks_are_not_one() -> None:
+    async def scenario() -> None:
+        channel, cancelled = Channel(), asyncio.Event()
+
+        async def work() -> None:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+
+        watched = asyncio.create_task(until_disconnected(work(), channel))
+        channel.messages.put_nowait({"type": "http.request", "body": b"", "more_body": False})
+        while channel.calls < 2:  # the chunk was read and the watcher waits again
+            await asyncio.sleep(0)
+        assert not watched.done()
+        channel.messages.put_nowait({"type": "http.disconnect"})
+        with pytest.raises(ApiError) as raised:
+            await watched
+        assert raised.value.status == 499 and raised.value.type == "client_disconnected"
+        assert cancelled.is_set()
+
+    asyncio.run(scenario())
+
+
+def test_a_channel_that_fails_is_logged_and_the_work_goes_on(caplog) -> None:
+    async def broken() -> dict:
+        raise RuntimeError("the channel broke")
+
+    async def scenario() -> None:
+        done = asyncio.Event()
+
+        async def work() -> str:
+            await done.wait()
+            return "answer"
+
+        watched = asyncio.create_task(until_disconnected(work(), broken))
+
+        async def logged() -> None:
+            while "watching the client failed" not in caplog.text:
+                await asyncio.sleep(0)  # the log line is the event; nothing else announces it
+
+        await asyncio.wait_for(logged(), 10)
+        assert not watched.done()  # not a hang-up: still waiting for its work
+        done.set()
+        assert await watched == "answer"
 
     asyncio.run(scenario())
 

@@ -36,7 +36,7 @@ from chapters.ch07_production.server import ProductionSettings, build_app
 PROMPT = [5, 6, 7, 8]
 MAX_BATCH, MAX_QUEUE = 4, 8  # the server holds at most MAX_BATCH running + MAX_QUEUE queued per batch cycle
 SHELL_ARGS = ("--engine", "eager", "--precision", "fp32", "--max-queue", str(MAX_QUEUE), "--request-timeout-s", "20",
-              "--probe-interval-s", "1", "--disconnect-poll-s", "0.05", "--torch-threads", "1")
+              "--probe-interval-s", "1", "--torch-threads", "1")
 SERVER_ARGS = {
     "ch07": (*SHELL_ARGS, "--tuned-config", "none", "--fallback-slots", "0", "--max-batch", str(MAX_BATCH), "--min-batch", "1"),
     "ch08": (*SHELL_ARGS, "--max-num-seqs", str(MAX_BATCH), "--max-num-batched-tokens", "64", "--attention", "gather"),
@@ -281,7 +281,7 @@ async def no_probe() -> None:
 def gated_app(release: threading.Event, **overrides):
     base = dict(weights="default", device="cpu", engine="eager", precision="fp32", tuned_config="none", min_batch=1,
                 max_batch=8, window_ms=0.0, min_window_ms=0.0, fallback_slots=0, pool_tokens=4 * 512,
-                probe_interval_s=3600, disconnect_poll_s=0.01)
+                probe_interval_s=3600)
 
     def factory(config, loaded):
         backend = build_backend(config, loaded)

@@ -8,7 +8,11 @@ computing, and its KV range returns to the pool when the batch ends.
 
 A client that hangs up is treated the same way (:func:`until_disconnected`): chapter 3's batcher
 drops one that left while *queued* (499); here the handler also watches a request while it *runs*,
-polling the connection, and cancels its await when the client is gone.
+and cancels its await when the client is gone. It does not poll the connection: once the handler has
+read the body, the next ``receive`` of the request's ASGI channel returns only when the connection
+closes (``http.disconnect``), so one waiting task per request is all the watching costs, and the
+server wakes it exactly once (vLLM's API server watches the same way). :class:`ClientChannel` makes
+each request's channel reachable from the shell.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from contextvars import ContextVar
+from typing import Any, TypeVar
 
 from shared.schemas import ApiError
 
@@ -62,34 +67,61 @@ async def within_deadline(work: Awaitable[T], timeout_s: float) -> T:
 DISCONNECTED_STATUS = 499
 
 
-async def until_disconnected(work: Awaitable[T], is_disconnected: Callable[[], Awaitable[bool]], poll_s: float) -> T:
-    """Await ``work`` while asking ``is_disconnected`` every ``poll_s`` seconds; if the client is gone, cancel it.
+Receive = Callable[[], Awaitable[dict[str, Any]]]  # an ASGI request's receive channel
 
-    Returns ``work``'s result, or raises 499 ``client_disconnected`` once ``is_disconnected()``
-    answers True (``work`` is cancelled first: a queued request leaves the queue and gives back its
-    admission slot; a running one leaves nothing behind but its row, freed when its batch ends).
-    A check that raises cannot tell: it is logged and the work goes on.
+# The receive channel of the HTTP request being handled (set by :class:`ClientChannel`), or None
+# outside one (a direct caller, the readiness probe): nobody to watch.
+client_receive: ContextVar[Receive | None] = ContextVar("client_receive", default=None)
+
+
+class ClientChannel:
+    """ASGI middleware: each HTTP request's ``receive`` in :data:`client_receive`, where the shell watches for the hang-up."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        token = client_receive.set(receive)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            client_receive.reset(token)
+
+
+async def hang_up(receive: Receive) -> None:
+    """Returns once the client has hung up: the ``http.disconnect`` the server sends when the connection closes."""
+    while (await receive())["type"] != "http.disconnect":
+        pass  # more of a body the handler has already read: not a hang-up
+
+
+async def until_disconnected(work: Awaitable[T], receive: Receive) -> T:
+    """Await ``work`` unless the client behind ``receive`` hangs up first: then cancel it and raise 499.
+
+    Returns ``work``'s result, or raises 499 ``client_disconnected`` once :func:`hang_up` returns
+    (``work`` is cancelled first: a queued request leaves the queue and gives back its admission
+    slot; a running one leaves nothing behind but its row, freed when its batch ends). A channel
+    that fails cannot tell: it is logged and the work goes on.
     """
     task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(hang_up(receive))
     try:
-        while True:
-            # asyncio.wait does not cancel the task on timeout: each turn is one look at the client.
-            done, _ = await asyncio.wait({task}, timeout=poll_s)
-            if done:
-                return task.result()
-            try:
-                gone = await is_disconnected()
-            except Exception:
-                log.exception("is_disconnected failed; the request goes on")
-                gone = False
-            if gone:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                raise ApiError(DISCONNECTED_STATUS, "client_disconnected", "the client disconnected while its request was running")
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done() and watcher.exception() is not None:
+            log.error("watching the client failed; the request goes on", exc_info=watcher.exception())
+            return await task
+        if task.done():
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise ApiError(DISCONNECTED_STATUS, "client_disconnected", "the client disconnected while its request was running")
     finally:
-        # Cancelled from outside (the deadline): take the work down with the watcher.
-        if not task.done():
-            task.cancel()
+        # However it ended (cancelled from outside by the deadline, too): neither task outlives the request.
+        for pending in (task, watcher):
+            if not pending.done():
+                pending.cancel()
 
 
 class StreamDeadline:

@@ -57,7 +57,15 @@ from chapters.ch03_dynamic_batching.live_view import PAGE_DIR, LiveEvents, LiveV
 from chapters.ch04_memory_pool.server import AdmissionOptions, PoolOptions
 from chapters.ch05_inference_engine.server import EngineOptions
 from chapters.ch06_tuned_batching.server import TunedBatcherOptions, apply_tuned_config, build_backend
-from chapters.ch07_production.deadlines import TIMEOUT_HEADER, StreamDeadline, effective_timeout, until_disconnected, within_deadline
+from chapters.ch07_production.deadlines import (
+    TIMEOUT_HEADER,
+    ClientChannel,
+    StreamDeadline,
+    client_receive,
+    effective_timeout,
+    until_disconnected,
+    within_deadline,
+)
 from chapters.ch07_production.drain import DrainController, DrainingServer
 from chapters.ch07_production.health import ReadinessProbe, request_probe
 from chapters.ch07_production.metrics import StateCollector, StateReader, build_registry, pooled_state
@@ -91,7 +99,6 @@ class ProductionOptions(BaseSettings):
 
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, wait this long for accepted requests before exiting")
     request_timeout_s: float = Field(60.0, gt=0, description="deadline of every request (504 past it); X-Request-Timeout-S may shorten it")
-    disconnect_poll_s: float = Field(0.1, gt=0, description="how often a running request checks that its client is still connected")
     probe_interval_s: float = Field(5.0, gt=0, description="seconds between readiness probes (a real prefill + decode)")
     probe_timeout_s: float = Field(2.0, gt=0, description="a probe slower than this makes the server not ready")
     admin_token: str = Field("", description="bearer token of POST /admin/models (empty: the admin API is off)")
@@ -207,8 +214,9 @@ class ProductionBackend:
     async def _watched(self, backend: Backend, request: ValidRequest, is_disconnected: DisconnectCheck,
                        timeout_s: float) -> Generated:
         # The backend call, cancelled past its deadline (504) or when its client hangs up (499).
-        watched = until_disconnected(backend.generate(request, is_disconnected), is_disconnected, self.settings.disconnect_poll_s)
-        return await within_deadline(watched, timeout_s)
+        work = backend.generate(request, is_disconnected)
+        receive = client_receive.get()
+        return await within_deadline(work if receive is None else until_disconnected(work, receive), timeout_s)
 
     async def open_stream(self, request: ValidRequest) -> AsyncIterator[int | Generated]:
         """Admit ``request`` on a streaming backend's newest version; its tokens, then the :class:`Generated`.
@@ -331,6 +339,7 @@ def build_app(settings: ProductionSettings, backend_factory: BackendFactory = bu
     metrics_registry, request_metrics = build_registry(
         StateCollector(serving, lambda: device, lambda: backend.readiness()[0]))
     app.add_middleware(RequestObserver, metrics=request_metrics)
+    app.add_middleware(ClientChannel)
     app.state.production = backend
     app.state.drain = drain
     app.state.registry = registry

@@ -1,0 +1,92 @@
+"""Where a served chapter 8's one core goes: the step thread against the event loop, per source tree.
+
+Runs chapter 8 from each ``--tree`` (a checkout: this one, and a worktree of the commit before a
+change) under the side-by-side's closed loop (``benchmarks.streaming``: the climb's ``cpu`` profile,
+server pinned to one core, the client on the other), round by round, the trees' order reversed every
+other round, and reads each thread's CPU seconds from ``/proc/<pid>/task`` over the measured window.
+The event loop is the server's main thread (uvicorn, the shell, every request's coroutine); the step
+thread is chapter 8's ``step-thread``. A second of the core the event loop takes is a second no step
+runs.
+
+    python benchmarks/reference/cpu/ch08/event-loop/thread_share.py --trees /tmp/base . --workload default --no-stream
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[5]))
+
+import benchmarks.server_process as server_process  # noqa: E402
+from benchmarks.streaming import harness_settings, run_closed_loop, summarize  # noqa: E402
+
+MODULE = "chapters.ch08_continuous_batching"
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def thread_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of ``pid``, by thread name."""
+    seconds: dict[str, float] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # a thread that ended meanwhile
+        key = "step thread" if name == "step-thread" else "event loop" if tid == str(pid) else "other"
+        seconds[key] = seconds.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / TICKS
+    return seconds
+
+
+def measure(tree: Path, args: argparse.Namespace) -> dict:
+    harness, flags, env = harness_settings("cpu")
+    # The chapter's code from ``tree`` (first on the path), the harness's client from this checkout.
+    launcher = f"import runpy, sys; sys.path.insert(0, {str(tree)!r}); runpy.run_module({MODULE!r}, run_name='__main__')"
+    server_process.server_command = lambda module, port, extra=(): [sys.executable, "-c", launcher, "--port", str(port), *extra]
+    stream = not args.no_stream
+    with server_process.running_module(MODULE, flags, name="ch08", env=env, cpu_cores=harness["server_cores"]) as server:
+        asyncio.run(run_closed_loop(server.url, 4, 2.0, args.workload, stream, seed=args.seed + 1))
+        before = thread_seconds(server.pid)
+        records, window = asyncio.run(run_closed_loop(server.url, args.users, args.duration_s, args.workload, stream, seed=args.seed))
+        after = thread_seconds(server.pid)
+    used = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in after}
+    total = sum(used.values())
+    summary = summarize(records, window, None, None, None)
+    return {"qps": summary["qps"], "p99_ms": summary["e2e_ms"]["p99"], "requests": summary["requests"],
+            "event_loop_share": used.get("event loop", 0.0) / total, "step_share": used.get("step thread", 0.0) / total,
+            "event_loop_ms_per_request": used.get("event loop", 0.0) / max(summary["requests"], 1) * 1e3}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trees", nargs="+", type=Path, required=True)
+    parser.add_argument("--workload", default="default")
+    parser.add_argument("--users", type=int, default=64)
+    parser.add_argument("--duration-s", type=float, default=20.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-stream", action="store_true", help="whole answers (the climb's way) instead of server-sent events")
+    parser.add_argument("--seed", type=int, default=1234)
+    args = parser.parse_args()
+    trees = [tree.resolve() for tree in args.trees]
+    rows: dict[Path, list[dict]] = {tree: [] for tree in trees}
+    for index in range(args.rounds):
+        for tree in trees if index % 2 == 0 else trees[::-1]:
+            row = measure(tree, args)
+            rows[tree].append(row)
+            print(f"round {index + 1} {tree}: {row['qps']:.1f} QPS, P99 {row['p99_ms']:.0f} ms, event loop "
+                  f"{row['event_loop_share']:.1%} of the server's CPU ({row['event_loop_ms_per_request']:.2f} ms a request)", flush=True)
+    how = "whole answers" if args.no_stream else "streamed"
+    print(f"\n{args.workload}, {args.users} users, {how}, {args.duration_s:g} s per run, median of {args.rounds} rounds:")
+    for tree, measured in rows.items():
+        median = {key: statistics.median(row[key] for row in measured) for key in measured[0]}
+        print(f"  {tree}: {median['qps']:.1f} QPS, P99 {median['p99_ms']:.0f} ms, event loop {median['event_loop_share']:.1%} "
+              f"of the server's CPU, {median['event_loop_ms_per_request']:.2f} ms of it a request")
+
+
+if __name__ == "__main__":
+    main()
