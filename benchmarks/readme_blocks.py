@@ -398,6 +398,31 @@ def side_by_side_block(directory: Path, folder: str = "side-by-side") -> str:
     return block
 
 
+def event_loop_block(directory: Path) -> str:
+    """Chapter 8's event loop beside its step thread, per source tree, from the ``.json`` files of
+    ``<dir>/ch08/event-loop/`` (``thread_share.py`` there): the median of the rounds per tree."""
+    folder = directory / "ch08" / "event-loop"
+    files = sorted(folder.glob("*.json")) if folder.exists() else []
+    if not files:
+        return f"*No rounds yet: `python {_repo_path(folder)}/thread_share.py --trees BASE . --out {_repo_path(folder)}/NAME.json`.*"
+    lines = ["| workload | answers | users | rounds | tree | QPS | P99 (ms) | event loop: share of the server's CPU | event loop per request (ms) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    commands, machines = [], set()
+    for path in files:
+        run = json.loads(path.read_text())
+        answers = "streamed" if run["streamed"] else "whole"
+        for tree in run["trees"]:
+            median = tree["median"]
+            lines.append(f"| {run['workload']} | {answers} | {run['users']} | {run['rounds']} | {tree['label']} (`{tree['commit']}`) "
+                         f"| {median['qps']:.1f} | {median['p99_ms']:,.0f} | {median['event_loop_share']:.1%} "
+                         f"| {median['event_loop_ms_per_request']:.2f} |")
+        commands.append(f"`{run['command']}`")
+        machines.add(run["cpu"])
+    return ("\n".join(lines) + "\n\nThe median of the rounds per tree; the trees alternate within each round. CPU: "
+            + ", ".join(sorted(machines)) + "; the climb's `cpu` profile settings, server pinned to one core, the client on the "
+            "other. Reproduce (each tree a checkout of its commit): " + "; ".join(commands) + ".")
+
+
 def deploy_block(directory: Path) -> str:
     """Chapter 7 against chapter 8 at the same load (``<dir>/ch08/deploy/*.json``): the two servers one would deploy."""
     return chapter_pair_block(directory / "ch08" / "deploy", "ch07", "ch08", (
@@ -700,6 +725,8 @@ def render_key(key: str, results: Mapping[str, BenchmarkResult], directory: Path
         return side_by_side_block(directory, key)
     if key == "deploy":
         return deploy_block(directory)
+    if key == "ch08-event-loop":
+        return event_loop_block(directory)
     if key == "packed-step-profile":
         return packed_step_profile_block(directory)
     if key == "kv-share":

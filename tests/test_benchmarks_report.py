@@ -296,6 +296,26 @@ def test_a_decode_attention_folder_is_its_own_block(tmp_path: Path):
     assert "No measurement yet" in decode_attention_block(tmp_path)  # the folder is not the first machine's files
 
 
+def test_the_event_loop_block_shows_each_trees_medians(tmp_path: Path):
+    from benchmarks.readme_blocks import event_loop_block
+
+    def tree(label: str, share: float) -> dict:
+        return {"label": label, "commit": label[:3] + "1234567",
+                "median": {"qps": 50.0, "p99_ms": 1500.0, "requests": 1000, "event_loop_share": share, "step_share": 1 - share,
+                           "event_loop_ms_per_request": share * 20}, "runs": []}
+
+    run = {"kind": "event-loop-share", "command": "python thread_share.py --trees a b", "workload": "default", "users": 64,
+           "duration_s": 20.0, "streamed": False, "rounds": 3, "cpu": "a CPU", "trees": [tree("polling", 0.15), tree("waiting", 0.075)]}
+    folder = tmp_path / "ch08" / "event-loop"
+    assert "No rounds yet" in event_loop_block(tmp_path)
+    folder.mkdir(parents=True)
+    (folder / "default-whole.json").write_text(json.dumps(run))
+    text = event_loop_block(tmp_path)
+    assert "| default | whole | 64 | 3 | polling (`pol1234567`) | 50.0 | 1,500 | 15.0% | 3.00 |" in text
+    assert "| default | whole | 64 | 3 | waiting (`wai1234567`) | 50.0 | 1,500 | 7.5% | 1.50 |" in text
+    assert "`python thread_share.py --trees a b`" in text and "a CPU" in text
+
+
 def test_a_side_by_side_folder_shows_each_variant_against_chapter_6(tmp_path: Path):
     from benchmarks.readme_blocks import side_by_side_block
 

@@ -10,9 +10,9 @@ A client that hangs up is treated the same way (:func:`until_disconnected`): cha
 drops one that left while *queued* (499); here the handler also watches a request while it *runs*,
 and cancels its await when the client is gone. It does not poll the connection: once the handler has
 read the body, the next ``receive`` of the request's ASGI channel returns only when the connection
-closes (``http.disconnect``), so one waiting task per request is all the watching costs, and the
-server wakes it exactly once (vLLM's API server watches the same way). :class:`ClientChannel` makes
-each request's channel reachable from the shell.
+closes (``http.disconnect``), so one waiting task per request is all the watching costs: nothing
+runs for it while the client stays (vLLM's API server watches the same way). :class:`ClientChannel`
+makes each request's channel reachable from the shell.
 """
 
 from __future__ import annotations

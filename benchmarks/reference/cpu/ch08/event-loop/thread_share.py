@@ -8,21 +8,30 @@ The event loop is the server's main thread (uvicorn, the shell, every request's 
 thread is chapter 8's ``step-thread``. A second of the core the event loop takes is a second no step
 runs.
 
-    python benchmarks/reference/cpu/ch08/event-loop/thread_share.py --trees /tmp/base . --workload default --no-stream
+    git worktree add /tmp/base 6db7280~1
+    python benchmarks/reference/cpu/ch08/event-loop/thread_share.py --trees /tmp/base . --labels polling waiting \
+        --workload default --no-stream --out benchmarks/reference/cpu/ch08/event-loop/default-no-stream.json
+
+``python -m benchmarks readme`` writes chapter 8's README table from the ``.json`` files here.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
+import shlex
 import statistics
+import subprocess
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[5]))
 
 import benchmarks.server_process as server_process  # noqa: E402
+from benchmarks.environment import cpu_description  # noqa: E402
 from benchmarks.streaming import harness_settings, run_closed_loop, summarize  # noqa: E402
 
 MODULE = "chapters.ch08_continuous_batching"
@@ -65,14 +74,21 @@ def measure(tree: Path, args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trees", nargs="+", type=Path, required=True)
+    parser.add_argument("--labels", nargs="+", default=None, help="a name per tree, for the table (default: the trees' commits)")
     parser.add_argument("--workload", default="default")
     parser.add_argument("--users", type=int, default=64)
     parser.add_argument("--duration-s", type=float, default=20.0)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-stream", action="store_true", help="whole answers (the climb's way) instead of server-sent events")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
     args = parser.parse_args()
     trees = [tree.resolve() for tree in args.trees]
+    commits = [subprocess.run(["git", "-C", str(tree), "rev-parse", "--short=10", "HEAD"], capture_output=True, text=True).stdout.strip()
+               for tree in trees]
+    labels = args.labels or commits
+    if len(labels) != len(trees):
+        parser.error("--labels needs one name per tree")
     rows: dict[Path, list[dict]] = {tree: [] for tree in trees}
     for index in range(args.rounds):
         for tree in trees if index % 2 == 0 else trees[::-1]:
@@ -82,10 +98,18 @@ def main() -> None:
                   f"{row['event_loop_share']:.1%} of the server's CPU ({row['event_loop_ms_per_request']:.2f} ms a request)", flush=True)
     how = "whole answers" if args.no_stream else "streamed"
     print(f"\n{args.workload}, {args.users} users, {how}, {args.duration_s:g} s per run, median of {args.rounds} rounds:")
-    for tree, measured in rows.items():
+    document = {"kind": "event-loop-share", "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
+                "command": "python " + shlex.join(sys.argv), "workload": args.workload, "users": args.users,
+                "duration_s": args.duration_s, "streamed": not args.no_stream, "rounds": args.rounds, "cpu": cpu_description(),
+                "trees": []}
+    for tree, label, commit in zip(trees, labels, commits):
+        measured = rows[tree]
         median = {key: statistics.median(row[key] for row in measured) for key in measured[0]}
-        print(f"  {tree}: {median['qps']:.1f} QPS, P99 {median['p99_ms']:.0f} ms, event loop {median['event_loop_share']:.1%} "
-              f"of the server's CPU, {median['event_loop_ms_per_request']:.2f} ms of it a request")
+        document["trees"].append({"label": label, "commit": commit, "median": median, "runs": measured})
+        print(f"  {label} ({commit}): {median['qps']:.1f} QPS, P99 {median['p99_ms']:.0f} ms, event loop "
+              f"{median['event_loop_share']:.1%} of the server's CPU, {median['event_loop_ms_per_request']:.2f} ms of it a request")
+    if args.out is not None:
+        args.out.write_text(json.dumps(document, indent=1) + "\n")
 
 
 if __name__ == "__main__":
