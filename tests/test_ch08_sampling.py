@@ -7,6 +7,9 @@
   reference sampler that runs the plain model alone, whether it runs alone or batched with others.
 - Stop strings: the sequence ends at the first stop, the text shown never contains it, and a stream
   of deltas never sends a character a stop may still claim (hypothesis, against ``str.find``).
+- A stream's text deltas (``TextDelta``): token by token the deltas of decoding the whole answer
+  again at every token (hypothesis, broken UTF-8 and special tokens included), while decoding only
+  a few tokens per token; a token's event is the server-sent event of its fields.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from chapters.ch08_continuous_batching.sampling import (
 )
 from chapters.ch08_continuous_batching.scheduler import ContinuousScheduler, SchedulerConfig, Sequence
 from chapters.ch08_continuous_batching.stop_strings import StopStrings, StopText, visible_text
-from shared.tokenizer import ByteTokenizer
+from chapters.ch08_continuous_batching.streaming import TextDelta, sse, token_event
+from shared.tokenizer import BYTE_VOCAB_SIZE, ByteTokenizer
 
 PROMPT = list(b"Once upon a time, ")
 
@@ -175,6 +179,58 @@ def test_streamed_deltas_add_up_to_the_visible_text_and_never_send_a_stop(text: 
         assert shown.startswith(sent), "a streamed character is not in the final text"
     sent += stream.finish()
     assert sent == shown == visible_text(tokenizer, ids, stops_t)
+
+
+def whole_decode_deltas(tokenizer, ids: list[int]) -> list[str]:
+    """The first, readable way to stream text: decode everything so far at every token, hold a trailing U+FFFD."""
+    deltas, sent = [], 0
+    for k in range(1, len(ids) + 1):
+        text = tokenizer.decode(ids[:k])
+        if text.endswith("\ufffd"):
+            deltas.append("")
+            continue
+        deltas.append(text[sent:])
+        sent = len(text)
+    return deltas
+
+
+# Byte tokens, the special ones above them, and runs of bytes that make or break UTF-8 characters.
+byte_ids = st.lists(st.one_of(st.integers(0, BYTE_VOCAB_SIZE - 1), st.sampled_from([0xE2, 0x82, 0xAC, 0xC3, 0xA9, 0xF0, 0x9F])),
+                    max_size=40)
+
+
+@given(byte_ids)
+@settings(max_examples=400, deadline=None)
+def test_text_deltas_are_the_whole_decodes_deltas_token_by_token(ids: list[int]) -> None:
+    tokenizer = ByteTokenizer()
+    delta = TextDelta(tokenizer)
+    assert [delta.add(token) for token in ids] == whole_decode_deltas(tokenizer, ids)
+    sent = "".join(whole_decode_deltas(tokenizer, ids))
+    assert sent + delta.flush() == tokenizer.decode(ids)
+
+
+class CountingTokenizer(ByteTokenizer):
+    def __init__(self) -> None:
+        self.lengths: list[int] = []
+
+    def decode(self, ids: list[int]) -> str:
+        self.lengths.append(len(ids))
+        return super().decode(ids)
+
+
+def test_a_text_delta_decodes_a_few_tokens_per_token_however_long_the_answer() -> None:
+    tokenizer = CountingTokenizer()
+    delta = TextDelta(tokenizer)
+    answer = "caf\u00e9 \u20ac " * 300  # one-, two- and three-byte characters, 2,700 tokens
+    assert "".join(delta.add(token) for token in tokenizer.encode(answer)) == answer
+    # The window: the tokens last handed out and those of the character being completed, here 3 bytes each at most.
+    assert max(tokenizer.lengths) <= 6
+
+
+@given(st.integers(0, 50_000), st.text())
+@settings(max_examples=300, deadline=None)
+def test_a_token_event_is_the_server_sent_event_of_its_fields(token_id: int, text: str) -> None:
+    assert token_event(token_id, text) == sse({"token_id": token_id, "text": text}, event="token")
 
 
 def test_stop_strings_are_refused_when_empty_or_too_many() -> None:
