@@ -297,6 +297,9 @@ def unpinned_harness() -> dict[str, Any]:
             "git_commit": None}
 
 
+_CORE_PLANS: dict[str, tuple[list[int] | None, list[int] | None]] = {}  # profile -> (server, client) cores, this process's
+
+
 def harness_settings(profile_name: str | None) -> tuple[dict[str, Any], list[str], dict[str, str]]:
     """``(the document's harness block, flags for every server, environment for every server)`` for a profile.
 
@@ -311,7 +314,11 @@ def harness_settings(profile_name: str | None) -> tuple[dict[str, Any], list[str
     from benchmarks.profiles import get_profile
 
     profile = get_profile(profile_name)
-    server_cores, client_cores = profile.core_plan()
+    # Planned once per process: once this client has pinned itself, its own affinity (which the plan
+    # reads) is the load generator's core alone, and a second plan would pin no server at all.
+    if profile.name not in _CORE_PLANS:
+        _CORE_PLANS[profile.name] = profile.core_plan()
+    server_cores, client_cores = _CORE_PLANS[profile.name]
     if client_cores:
         os.sched_setaffinity(0, set(client_cores))
     commit, dirty = git_state()

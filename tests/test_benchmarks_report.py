@@ -429,6 +429,22 @@ def test_core_plans():
     assert resolve_profile_name("auto") in {"cpu", "gpu"}
 
 
+def test_a_client_that_measures_several_servers_pins_each_away_from_itself(monkeypatch):
+    """The streaming client pins itself to the load generator's core, then plans the next server's
+    cores again: the plan must still be the machine's, not one read from the client's own affinity."""
+    import os
+
+    from benchmarks import streaming
+
+    affinity = {0, 1}  # a two-core machine, whatever this one is; the real process is never pinned
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(affinity), raising=False)
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cores: (affinity.clear(), affinity.update(cores)), raising=False)
+    monkeypatch.setattr(streaming, "_CORE_PLANS", {})
+    plans = [streaming.harness_settings("cpu")[0] for _ in range(3)]  # three servers measured in one process
+    assert [(h["server_cores"], h["client_cores"], h["pinning"]) for h in plans] == [([0], [1], True)] * 3
+    assert affinity == {1}
+
+
 def test_prompt_streams_are_reproducible_and_inside_the_mix():
     first = [PromptStream(WORKLOADS["default"], 7, 3).next_body() for _ in range(1)]
     stream_a, stream_b = PromptStream(WORKLOADS["default"], 7, 3), PromptStream(WORKLOADS["default"], 7, 3)
