@@ -6,7 +6,9 @@
 - Seeds: a seeded sequence run through the scheduler and the packed model gets the tokens of a
   reference sampler that runs the plain model alone, whether it runs alone or batched with others.
 - Stop strings: the sequence ends at the first stop, the text shown never contains it, and a stream
-  of deltas never sends a character a stop may still claim (hypothesis, against ``str.find``).
+  of deltas never sends a character a stop may still claim (hypothesis, against ``str.find``). Token
+  by token, the stop check and the stream's deltas are those of decoding and searching the whole
+  answer again at every token (hypothesis), while decoding only a few tokens per token.
 - A stream's text deltas (``TextDelta``): token by token the deltas of decoding the whole answer
   again at every token (hypothesis, broken UTF-8 and special tokens included), while decoding only
   a few tokens per token; a token's event is the server-sent event of its fields.
@@ -231,6 +233,78 @@ def test_a_text_delta_decodes_a_few_tokens_per_token_however_long_the_answer() -
 @settings(max_examples=300, deadline=None)
 def test_a_token_event_is_the_server_sent_event_of_its_fields(token_id: int, text: str) -> None:
     assert token_event(token_id, text) == sse({"token_id": token_id, "text": text}, event="token")
+
+
+# Answers and stops over the same characters, one, two and three bytes long, with broken characters
+# (bytes that never complete one: U+FFFD, which a stop may hold too) and special tokens between them.
+STOP_ALPHABET = "ab\u00e9\u20ac"
+answer_ids = st.lists(st.one_of(st.sampled_from(STOP_ALPHABET).map(lambda c: list(c.encode())),
+                                st.lists(st.sampled_from([0xE2, 0x82, 0xAC, 0xC3, 0xA9, 0xF0, 0x9F]), min_size=1, max_size=2),
+                                st.integers(256, BYTE_VOCAB_SIZE - 1).map(lambda t: [t])),
+                      max_size=20).map(lambda chunks: [token for chunk in chunks for token in chunk])
+stop_lists = st.lists(st.text(alphabet=STOP_ALPHABET + "\ufffd", min_size=1, max_size=4), min_size=1, max_size=4).map(tuple)
+
+
+def whole_decode_stop_deltas(tokenizer, ids: list[int], stops: tuple[str, ...]) -> tuple[list[str], str]:
+    """The first, readable way to stream text that stops: at every token decode everything so far, search
+    all of it, send up to the stop, or up to what is neither a broken character nor a stop's beginning."""
+    deltas, sent = [], 0
+
+    def take(text: str, end: int) -> str:
+        nonlocal sent
+        if end <= sent:
+            return ""
+        delta, sent = text[sent:end], end
+        return delta
+
+    for k in range(1, len(ids) + 1):
+        text = tokenizer.decode(ids[:k])
+        stop = min((text.find(s) for s in stops if s in text), default=None)
+        if stop is not None:
+            deltas.append(take(text, stop))
+            continue
+        decided = text.rstrip("\ufffd")
+        longest = max((n for s in stops for n in range(1, len(s)) if decided.endswith(s[:n])), default=0)
+        deltas.append(take(text, len(decided) - longest))
+    text = tokenizer.decode(ids)
+    stop = min((text.find(s) for s in stops if s in text), default=len(text))
+    return deltas, take(text, stop)
+
+
+@given(answer_ids, stop_lists)
+@settings(max_examples=400, deadline=None)
+def test_the_stop_check_is_a_search_of_the_whole_decode_token_by_token(ids: list[int], stops: tuple[str, ...]) -> None:
+    tokenizer = ByteTokenizer()
+    check = StopStrings(stops, tokenizer)  # one per sequence, asked after every token, as the scheduler does
+    for k in range(1, len(ids) + 1):
+        text = tokenizer.decode(ids[:k])
+        assert check.reached(ids[:k]) == any(stop in text for stop in stops)
+        if any(stop in text for stop in stops):
+            break  # the scheduler ends the sequence here
+
+
+@given(answer_ids, stop_lists)
+@settings(max_examples=400, deadline=None)
+def test_streamed_stop_deltas_are_the_whole_decodes_token_by_token(ids: list[int], stops: tuple[str, ...]) -> None:
+    tokenizer = ByteTokenizer()
+    # The tokens a stream gets: the scheduler ends the sequence at the first token whose text holds a stop.
+    ids = ids[:next((k for k in range(1, len(ids) + 1) if any(stop in tokenizer.decode(ids[:k]) for stop in stops)), len(ids))]
+    deltas, last = whole_decode_stop_deltas(tokenizer, ids, stops)
+    stream = StopText(tokenizer, stops)
+    for k, (token, expected) in enumerate(zip(ids, deltas, strict=True)):
+        assert stream.decoded_chars == len(tokenizer.decode(ids[:k]))  # a token's logprobs text_offset
+        assert stream.add(token) == expected
+    assert stream.finish() == last
+
+
+def test_stop_checks_decode_a_few_tokens_per_token_however_long_the_answer() -> None:
+    answer = "caf\u00e9 \u20ac " * 300  # one-, two- and three-byte characters, 2,700 tokens
+    tokenizer = CountingTokenizer()
+    ids = tokenizer.encode(answer)
+    check, stream = StopStrings(("never", "\u20ac\u20ac"), tokenizer), StopText(tokenizer, ("never",))
+    assert not any(check.reached(ids[:k]) for k in range(1, len(ids) + 1))
+    assert "".join(stream.add(token) for token in ids) + stream.finish() == answer
+    assert max(tokenizer.lengths) <= 6
 
 
 def test_stop_strings_are_refused_when_empty_or_too_many() -> None:

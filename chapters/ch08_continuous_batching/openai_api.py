@@ -148,20 +148,29 @@ class CompletionsApi:
         return JSONResponse({
             **meta,
             "choices": [_choice(visible_text(self.tokenizer, result.output_ids, completion.stops()), _finish_reason(result),
-                                self._logprobs(result.output_ids, logprobs) if logprobs is not None else None)],
+                                self._logprobs(result.output_ids, logprobs, self._text_offsets(result.output_ids)) if logprobs is not None else None)],
             "usage": _usage(len(valid.input_ids), len(result.output_ids)),
         })
 
-    def _logprobs(self, output_ids: list[int], logprobs: list[TokenLogprobs], before: list[int] | None = None) -> dict:
-        """OpenAI's completions ``logprobs`` object for ``output_ids`` (which follow ``before``; ``text_offset`` counts from the answer's start)."""
+    def _logprobs(self, output_ids: list[int], logprobs: list[TokenLogprobs], text_offsets: list[int]) -> dict:
+        """OpenAI's completions ``logprobs`` object for ``output_ids``, each token's text starting at its
+        ``text_offsets`` entry (characters from the answer's start)."""
         decode = self.tokenizer.decode
-        before = before or []
         return {
             "tokens": [decode([token]) for token in output_ids],
             "token_logprobs": [entry.logprob for entry in logprobs],
             "top_logprobs": [{decode([t]): lp for t, lp in entry.top} for entry in logprobs],
-            "text_offset": [len(decode(before + output_ids[:i])) for i in range(len(output_ids))],
+            "text_offset": text_offsets,
         }
+
+    def _text_offsets(self, output_ids: list[int]) -> list[int]:
+        """Where each token's text starts in the answer's, as a stream counts them (decoding every
+        prefix again would cost the square of the answer's length)."""
+        text, offsets = StopText(self.tokenizer), []
+        for token in output_ids:
+            offsets.append(text.decoded_chars)
+            text.add(token)
+        return offsets
 
     async def _chunks(self, tokens: AsyncIterator[int | Generated], meta: dict, prompt_tokens: int, include_usage: bool,
                       stops: tuple[str, ...]) -> AsyncIterator[bytes]:
@@ -169,7 +178,7 @@ class CompletionsApi:
         try:
             async for event in tokens:
                 if not isinstance(event, Generated):
-                    logprobs = self._logprobs([int(event)], [event.logprobs], before=text.ids) if isinstance(event, SampledToken) else None
+                    logprobs = self._logprobs([int(event)], [event.logprobs], [text.decoded_chars]) if isinstance(event, SampledToken) else None
                     yield sse({**meta, "choices": [_choice(text.add(event), None, logprobs)]})
                     continue
                 yield sse({**meta, "choices": [_choice(text.finish(), _finish_reason(event))]})

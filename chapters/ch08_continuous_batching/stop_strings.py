@@ -1,8 +1,11 @@
 """Stop strings (OpenAI's ``stop``): end a completion where its TEXT first contains one of them.
 
 A stop string is text, not a token: with the byte tokenizer every character of ``"\\n\\n"`` is its
-own token, and with word pieces a stop may start in the middle of one. So the check decodes the
-whole answer so far and searches it, after every token, and only for requests that asked.
+own token, and with word pieces a stop may start in the middle of one. So after every token of a
+request that asked, the check searches the answer's text, only where a stop could newly appear: the
+text that token added (decoded incrementally, as a stream's :class:`~chapters.ch08_continuous_batching.streaming.TextDelta`
+does) and the few characters before it that a stop may start in. Decoding and searching the whole
+answer at every token would cost time growing with the answer, a whole answer's worth quadratic.
 
 - The sequence ends as soon as a stop appears (``finish_reason`` "stop"); its blocks are free
   before the next step, like any finished sequence's.
@@ -14,6 +17,7 @@ whole answer so far and searches it, after every token, and only for requests th
 
 from __future__ import annotations
 
+from chapters.ch08_continuous_batching.streaming import TextDelta
 from shared.tokenizer import Tokenizer
 
 MAX_STOPS = 4  # OpenAI's completions API accepts up to 4 stop sequences
@@ -37,15 +41,28 @@ def undecided_tail(text: str, stops: tuple[str, ...]) -> int:
 
 
 class StopStrings:
-    """The stop condition a sequence carries into the scheduler: has the decoded answer reached a stop?"""
+    """The stop condition a sequence carries into the scheduler: has the decoded answer reached a stop?
+
+    One per sequence: it remembers the answer's text so far (the last few characters of it), so
+    each call decodes and searches only what the new tokens added.
+    """
 
     def __init__(self, stops: tuple[str, ...], tokenizer: Tokenizer) -> None:
         if not stops or len(stops) > MAX_STOPS or any(not stop for stop in stops):
             raise ValueError(f"stop takes 1 to {MAX_STOPS} non-empty strings, got {list(stops)!r}")
-        self.stops, self.tokenizer = stops, tokenizer
+        self.stops = stops
+        self._text = TextDelta(tokenizer)
+        self._reach = max(map(len, stops)) - 1  # a stop ending in new text starts at most this far before it
+        self._recent = ""  # the last ``_reach`` characters of the text handed out so far
 
     def reached(self, output_ids: list[int]) -> bool:
-        return first_stop(self.tokenizer.decode(output_ids), self.stops) is not None
+        """Does the text of ``output_ids`` (this sequence's answer so far, only ever longer) contain a stop?"""
+        for token in output_ids[len(self._text.ids):]:
+            seen = self._recent + self._text.add(token)
+            if first_stop(seen + self._text.held, self.stops) is not None:
+                return True
+            self._recent = seen[-self._reach:] if self._reach else ""
+        return False
 
 
 class StopText:
@@ -53,31 +70,43 @@ class StopText:
 
     :meth:`add` takes each new token and returns the text that became safe to send; :meth:`finish`
     returns the rest of what is shown (nothing past a stop). The pieces add up to :func:`visible_text`.
+    Like :class:`StopStrings`, it decodes only the new tokens, and it searches only the text not sent
+    yet: a stop never starts in sent text, since the end of the text that could begin one is held back.
     """
 
     def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...] = ()) -> None:
-        self.tokenizer, self.stops = tokenizer, stops
-        self.ids: list[int] = []
-        self.sent = 0  # characters already handed out
+        self.stops = stops
+        self._text = TextDelta(tokenizer)
+        self._unsent = ""  # decoded, whole characters, not sent yet: a stop may still claim them
+        self._sent = 0  # characters sent
+        self._stopped = False
+
+    @property
+    def decoded_chars(self) -> int:
+        """Characters in the text of every token added so far (as one decode of them all would give)."""
+        return self._sent + len(self._unsent) + len(self._text.held)
 
     def add(self, token: int) -> str:
-        self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
-        stop = first_stop(text, self.stops)
-        if stop is not None:
-            return self._take(text, stop)
-        decided = text.rstrip("\ufffd")  # probably an incomplete UTF-8 character: wait for the next token
-        return self._take(text, len(decided) - undecided_tail(decided, self.stops))
+        self._unsent += self._text.add(token)
+        return self._take(final=False)
 
     def finish(self) -> str:
-        text = self.tokenizer.decode(self.ids)
-        stop = first_stop(text, self.stops)
-        return self._take(text, len(text) if stop is None else stop)
+        self._unsent += self._text.flush()
+        return self._take(final=True)
 
-    def _take(self, text: str, end: int) -> str:
-        if end <= self.sent:
+    def _take(self, final: bool) -> str:
+        if self._stopped:
             return ""
-        delta, self.sent = text[self.sent:end], end
+        # What the decoder holds back (it ends in U+FFFD, an incomplete character) is searched too, as a
+        # decode of every token would be: a stop found there ends the text, and what precedes it is sent.
+        text = self._unsent + self._text.held
+        stop = first_stop(text, self.stops)
+        if stop is not None:
+            self._stopped = True
+            return text[:stop]
+        end = len(self._unsent) if final else len(self._unsent) - undecided_tail(self._unsent, self.stops)
+        delta, self._unsent = self._unsent[:end], self._unsent[end:]
+        self._sent += len(delta)
         return delta
 
 

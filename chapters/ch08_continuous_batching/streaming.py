@@ -67,6 +67,7 @@ class TextDelta:
         self.ids: list[int] = []
         self.prefix = 0  # where the window starts: tokens before it are never decoded again
         self.read = 0  # tokens whose text has been handed out
+        self.held = ""  # text decoded and held back (it ends in U+FFFD): the handed-out text plus this is the whole decode
 
     def add(self, token: int) -> str:
         self.ids.append(token)
@@ -80,8 +81,9 @@ class TextDelta:
         before = self.tokenizer.decode(self.ids[self.prefix:self.read])
         text = self.tokenizer.decode(self.ids[self.prefix:])
         if hold_incomplete and text.endswith("\ufffd"):
+            self.held = text[len(before):]
             return ""  # probably an incomplete UTF-8 sequence: wait for the next token
-        self.prefix, self.read = self.read, len(self.ids)
+        self.prefix, self.read, self.held = self.read, len(self.ids), ""
         return text[len(before):]
 
 
