@@ -410,9 +410,9 @@ def event_loop_block(directory: Path) -> str:
     commands, machines = [], set()
     for path in files:
         run = json.loads(path.read_text())
-        answers = "streamed" if run["streamed"] else "whole"
         for tree in run["trees"]:
             median = tree["median"]
+            answers = "streamed" if tree.get("streamed", run["streamed"]) else "whole"  # per tree where a run measured both
             lines.append(f"| {run['workload']} | {answers} | {run['users']} | {run['rounds']} | {tree['label']} (`{tree['commit']}`) "
                          f"| {median['qps']:.1f} | {median['p99_ms']:,.0f} | {median['event_loop_share']:.1%} "
                          f"| {median['event_loop_ms_per_request']:.2f} |")

@@ -13,6 +13,9 @@ a second no step runs.
     python benchmarks/reference/cpu/ch08/event-loop/thread_share.py --trees /tmp/base . --labels polling waiting \
         --workload default --no-stream --out benchmarks/reference/cpu/ch08/event-loop/default-no-stream.json
 
+``--both`` measures every tree streamed and with whole answers in the same rounds: what streaming
+each token costs the server.
+
 ``python -m benchmarks readme`` writes chapter 8's README table from the ``.json`` files here.
 """
 
@@ -51,12 +54,11 @@ def thread_seconds(pid: int) -> dict[str, float]:
     return seconds
 
 
-def measure(tree: Path, args: argparse.Namespace) -> dict:
+def measure(tree: Path, stream: bool, args: argparse.Namespace) -> dict:
     harness, flags, env = harness_settings("cpu")
     # The chapter's code from ``tree`` (first on the path), the harness's client from this checkout.
     launcher = f"import runpy, sys; sys.path.insert(0, {str(tree)!r}); runpy.run_module({MODULE!r}, run_name='__main__')"
     server_process.server_command = lambda module, port, extra=(): [sys.executable, "-c", launcher, "--port", str(port), *extra]
-    stream = not args.no_stream
     with server_process.running_module(MODULE, flags, name="ch08", env=env, cpu_cores=harness["server_cores"]) as server:
         asyncio.run(run_closed_loop(server.url, 4, 2.0, args.workload, stream, seed=args.seed + 1))
         before = thread_seconds(server.pid)
@@ -80,7 +82,9 @@ def main() -> None:
     parser.add_argument("--users", type=int, default=64)
     parser.add_argument("--duration-s", type=float, default=20.0)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--no-stream", action="store_true", help="whole answers (the climb's way) instead of server-sent events")
+    answers = parser.add_mutually_exclusive_group()
+    answers.add_argument("--no-stream", action="store_true", help="whole answers (the climb's way) instead of server-sent events")
+    answers.add_argument("--both", action="store_true", help="every tree streamed and whole, in the same rounds (what streaming costs)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
     args = parser.parse_args()
@@ -90,24 +94,27 @@ def main() -> None:
     labels = args.labels or commits
     if len(labels) != len(trees):
         parser.error("--labels needs one name per tree")
-    rows: dict[Path, list[dict]] = {tree: [] for tree in trees}
+    modes = [True, False] if args.both else [not args.no_stream]  # streamed?
+    cases = [(tree, label, commit, stream) for tree, label, commit in zip(trees, labels, commits) for stream in modes]
+    rows: dict[tuple, list[dict]] = {case: [] for case in cases}
     for index in range(args.rounds):
-        for tree in trees if index % 2 == 0 else trees[::-1]:
-            row = measure(tree, args)
-            rows[tree].append(row)
-            print(f"round {index + 1} {tree}: {row['qps']:.1f} QPS, P99 {row['p99_ms']:.0f} ms, event loop "
+        for case in cases if index % 2 == 0 else cases[::-1]:
+            tree, stream = case[0], case[3]
+            row = measure(tree, stream, args)
+            rows[case].append(row)
+            print(f"round {index + 1} {tree} {'streamed' if stream else 'whole'}: {row['qps']:.1f} QPS, P99 {row['p99_ms']:.0f} ms, event loop "
                   f"{row['event_loop_share']:.1%} of the server's CPU ({row['event_loop_ms_per_request']:.2f} ms a request)", flush=True)
-    how = "whole answers" if args.no_stream else "streamed"
+    how = "streamed and whole" if args.both else "whole answers" if args.no_stream else "streamed"
     print(f"\n{args.workload}, {args.users} users, {how}, {args.duration_s:g} s per run, median of {args.rounds} rounds:")
     document = {"kind": "event-loop-share", "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
                 "command": "python " + shlex.join(sys.argv), "workload": args.workload, "users": args.users,
-                "duration_s": args.duration_s, "streamed": not args.no_stream, "rounds": args.rounds, "cpu": cpu_description(),
+                "duration_s": args.duration_s, "streamed": None if args.both else not args.no_stream, "rounds": args.rounds, "cpu": cpu_description(),
                 "trees": []}
-    for tree, label, commit in zip(trees, labels, commits):
-        measured = rows[tree]
+    for case, measured in rows.items():
+        _, label, commit, stream = case
         median = {key: statistics.median(row[key] for row in measured) for key in measured[0]}
-        document["trees"].append({"label": label, "commit": commit, "median": median, "runs": measured})
-        print(f"  {label} ({commit}): {median['qps']:.1f} QPS, P99 {median['p99_ms']:.0f} ms, event loop "
+        document["trees"].append({"label": label, "commit": commit, "streamed": stream, "median": median, "runs": measured})
+        print(f"  {label} ({commit}), {'streamed' if stream else 'whole'}: {median['qps']:.1f} QPS, P99 {median['p99_ms']:.0f} ms, event loop "
               f"{median['event_loop_share']:.1%} of the server's CPU, {median['event_loop_ms_per_request']:.2f} ms of it a request")
     if args.out is not None:
         args.out.write_text(json.dumps(document, indent=1) + "\n")
