@@ -39,7 +39,7 @@ from chapters.ch08_continuous_batching.sampled_contract import SampledRequest
 from chapters.ch08_continuous_batching.sampling import MAX_LOGPROBS, MAX_TEMPERATURE, SamplingParams, TokenLogprobs
 from chapters.ch08_continuous_batching.step_thread import SampledToken
 from chapters.ch08_continuous_batching.stop_strings import StopStrings, StopText, visible_text
-from chapters.ch08_continuous_batching.streaming import SSE_HEADERS, sse
+from chapters.ch08_continuous_batching.streaming import SSE_HEADERS, EventRuns, sse
 from shared.schemas import ApiError, ContractLimits, check_limits
 from shared.tokenizer import Tokenizer
 
@@ -93,8 +93,9 @@ class CompletionRequest(BaseModel):
 class CompletionsApi:
     """The two routes, over any backend with chapter 2's ``generate`` and an ``open_stream``."""
 
-    def __init__(self, backend, tokenizer: Tokenizer, limits: ContractLimits, model_name: str) -> None:
+    def __init__(self, backend, tokenizer: Tokenizer, limits: ContractLimits, model_name: str, stream_interval: int = 1) -> None:
         self.backend, self.tokenizer, self.limits, self.model_name = backend, tokenizer, limits, model_name
+        self.stream_interval = stream_interval  # chunks per write after the first (streaming.EventRuns)
 
     def register(self, app: FastAPI) -> None:
         app.get("/v1/models")(self.models)
@@ -174,19 +175,20 @@ class CompletionsApi:
 
     async def _chunks(self, tokens: AsyncIterator[int | Generated], meta: dict, prompt_tokens: int, include_usage: bool,
                       stops: tuple[str, ...]) -> AsyncIterator[bytes]:
-        text = StopText(self.tokenizer, stops)
+        text, runs = StopText(self.tokenizer, stops), EventRuns(self.stream_interval)
         try:
             async for event in tokens:
                 if not isinstance(event, Generated):
                     logprobs = self._logprobs([int(event)], [event.logprobs], [text.decoded_chars]) if isinstance(event, SampledToken) else None
-                    yield sse({**meta, "choices": [_choice(text.add(event), None, logprobs)]})
+                    if (due := runs.add(sse({**meta, "choices": [_choice(text.add(event), None, logprobs)]}))) is not None:
+                        yield due
                     continue
-                yield sse({**meta, "choices": [_choice(text.finish(), _finish_reason(event))]})
+                last = sse({**meta, "choices": [_choice(text.finish(), _finish_reason(event))]})
                 if include_usage:
-                    yield sse({**meta, "choices": [], "usage": _usage(prompt_tokens, len(event.output_ids))})
-                yield sse("[DONE]")
+                    last += sse({**meta, "choices": [], "usage": _usage(prompt_tokens, len(event.output_ids))})
+                yield runs.rest(last + sse("[DONE]"))
         except ApiError as error:
-            yield sse(error.body())  # the client raises APIError from an "error" payload
+            yield runs.rest(sse(error.body()))  # the client raises APIError from an "error" payload
         finally:
             await tokens.aclose()
 

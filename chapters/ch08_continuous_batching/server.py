@@ -22,7 +22,8 @@ prefix (a system prompt, a document asked several questions) skips its pass over
 
 Each token is pushed to its request as soon as the step that made it ends: ``/v1/inference`` with
 ``"stream": true`` and ``/v1/completions`` with ``"stream": true`` send it as a server-sent event,
-through the shell (:meth:`~chapters.ch07_production.server.ProductionBackend.open_stream`). A client
+through the shell (:meth:`~chapters.ch07_production.server.ProductionBackend.open_stream`);
+``--stream-interval`` N above 1 writes a stream's events N at a time after its first. A client
 that goes away or a request past its deadline (504) is aborted between two steps: its blocks are
 free before the next step is planned, and nobody else notices.
 
@@ -113,8 +114,18 @@ class PagedPoolOptions(PoolOptions):
     block_tokens: int = Field(128, ge=1, description=PoolOptions.model_fields["block_tokens"].description)
 
 
-class ContinuousSettings(SchedulerOptions, PagedPoolOptions, EngineOptions, ProductionOptions, ServerSettings):
-    """Chapter 2's knobs, chapter 4's pool size, chapter 5's engine, chapter 7's shell, the scheduler's."""
+class StreamingOptions(BaseSettings):
+    """How a streamed answer is written: every token as it comes, or in runs (vLLM's and SGLang's ``--stream-interval``)."""
+
+    model_config = ServerSettings.model_config
+
+    stream_interval: int = Field(
+        1, ge=1, description="token events per write of a streamed answer after its first, which is written at once; "
+                             "above 1: fewer wake-ups and writes on the event loop, text in bursts")
+
+
+class ContinuousSettings(SchedulerOptions, StreamingOptions, PagedPoolOptions, EngineOptions, ProductionOptions, ServerSettings):
+    """Chapter 2's knobs, chapter 4's pool size, chapter 5's engine, chapter 7's shell, the scheduler's, the stream's."""
 
 
 def served_name(source: str) -> str:
@@ -146,20 +157,20 @@ def build_backend(settings: ContinuousSettings, loaded: LoadedModel,
     runner = ModelRunner(wrap_model(model) if wrap_model else model, store, attention)
     description = {"model": loaded.source, "kv_policy": settings.kv_policy, "prefix_caching": settings.prefix_caching, "pool_rule": plan.rule,
                    "engine": step_engine.describe(), "attention": attention.name, "kv_cache_dtype": dtype_name}
-    return ContinuousBackend(StepThread(runner, scheduler), settings.max_queue, description)
+    return ContinuousBackend(StepThread(runner, scheduler, settings.stream_interval), settings.max_queue, description)
 
 
 def build_app(settings: ContinuousSettings, wrap_model: Callable[[PackedModel], PackedModel] | None = None) -> FastAPI:
     """Chapter 7's production shell around the continuous backend, plus its metrics, streaming and the OpenAI routes."""
     app = build_production_app(settings, backend_factory=partial(build_backend, wrap_model=wrap_model),
                                read_state=continuous_state, title="ch08 continuous batching", chapter="ch08",
-                               stream_writer=write_sse_stream, contract=SAMPLED_CONTRACT,
+                               stream_writer=partial(write_sse_stream, stream_interval=settings.stream_interval), contract=SAMPLED_CONTRACT,
                                read_events=lambda backend: backend.step_thread.events, pages=(STEPS_PAGE_DIR, PAGE_DIR))
     versions = app.state.registry.versions
     app.state.metrics_registry.register(ContinuousCollector(
         lambda: [(v.name, v.backend) for v in list(versions.values()) if v.backend is not None]))
     model_name = settings.served_model_name or served_name(app.state.first_source)
-    CompletionsApi(app.state.backend, app.state.tokenizer, app.state.limits, model_name).register(app)
+    CompletionsApi(app.state.backend, app.state.tokenizer, app.state.limits, model_name, settings.stream_interval).register(app)
     return app
 
 

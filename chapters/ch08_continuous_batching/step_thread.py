@@ -11,7 +11,9 @@ The event loop never computes and the step thread never touches asyncio objects 
   loop once (schedule, execute, update), timing each phase (:class:`StepClock`: the scheduler's own
   cost must stay small and visible);
 - what a step produced (new tokens, finished sequences) is handed back to the loop in ONE
-  ``loop.call_soon_threadsafe`` per step, where each request's :class:`RequestStream` receives it.
+  ``loop.call_soon_threadsafe`` per step, where each request's :class:`RequestStream` receives it;
+  with ``stream_interval`` N above 1, a sequence's tokens are handed over in runs of N after its
+  first (:class:`_StepListener`), so the loop wakes its request once per N tokens, not per token.
 
 While someone watches chapter 3's live page (``/ui/``), the thread also publishes one ``step`` event
 per step, at most ``MAX_EVENTS_PER_S`` a second
@@ -92,11 +94,20 @@ class RequestStream:
 
 
 class _StepListener:
-    """Collects a step's tokens and endings in the step thread; flushed to the loop once per step."""
+    """Collects tokens and endings in the step thread; what is due is flushed to the loop once per step.
 
-    def __init__(self) -> None:
-        self.tokens: dict[Sequence, list[int]] = {}
+    A sequence's tokens are due every ``stream_interval`` tokens: its first token at once (what the
+    client waits for first), then each time ``stream_interval`` more have come, and whatever is left
+    when it ends. At 1 every token is due in the step that made it.
+    """
+
+    def __init__(self, stream_interval: int = 1) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
+        self.stream_interval = stream_interval
+        self.tokens: dict[Sequence, list[int]] = {}  # made and not yet handed over
         self.finished: dict[Sequence, Finished] = {}
+        self._started: set[Sequence] = set()  # sequences whose first token was handed over
 
     def on_token(self, seq: Sequence, token: int) -> None:
         if seq.sampling.logprobs is not None:
@@ -111,9 +122,18 @@ class _StepListener:
         self.finished[seq] = Finished(seq.output_ids, seq.timings_ms(), error)
 
     def take(self) -> list[tuple[Sequence, list[int], Finished | None]]:
-        seqs = list(self.tokens) + [s for s in self.finished if s not in self.tokens]
-        out = [(s, self.tokens.get(s, []), self.finished.get(s)) for s in seqs]
-        self.tokens, self.finished = {}, {}
+        """What is due now: (sequence, its tokens held so far, its ending or None), each handed over once."""
+        out = []
+        for seq in [s for s, held in self.tokens.items()
+                    if s in self.finished or s not in self._started or len(held) >= self.stream_interval]:
+            out.append((seq, self.tokens.pop(seq), self.finished.pop(seq, None)))
+            self._started.add(seq)
+        for seq, finished in self.finished.items():  # ended with nothing held
+            out.append((seq, [], finished))
+        for seq, _, finished in out:
+            if finished is not None:
+                self._started.discard(seq)
+        self.finished = {}
         return out
 
 
@@ -161,10 +181,10 @@ class StepClock:
 class StepThread:
     """Owns the scheduler and the model runner; everything that changes them runs in its one thread."""
 
-    def __init__(self, runner: ModelRunner, scheduler: ContinuousScheduler) -> None:
+    def __init__(self, runner: ModelRunner, scheduler: ContinuousScheduler, stream_interval: int = 1) -> None:
         self.runner, self.scheduler = runner, scheduler
         self.clock = StepClock()
-        self._listener = _StepListener()
+        self._listener = _StepListener(stream_interval)
         scheduler.listener = self._listener
         self._wake = threading.Condition()
         self._inbox: list[Sequence] = []

@@ -18,6 +18,12 @@ of a word piece: :class:`TextDelta` holds back a trailing incomplete character, 
 deltas equal the final text (a character still incomplete when the answer ends is in the ``done``
 event's text only), and it decodes only the few tokens since the last complete character, so a
 token's text costs the same at the thousandth token as at the first.
+
+Every event is its own write on the event loop (the shell's, Starlette's and uvicorn's layers and
+one socket write), and streamed answers pay that per token. ``stream_interval`` N above 1 (vLLM's
+and SGLang's ``--stream-interval``) keeps the events, one per token, and groups them into writes
+(:class:`EventRuns`): the first token's event at once, then N events per write, the rest with the
+last. The client reads the same events, in bursts.
 """
 
 from __future__ import annotations
@@ -87,25 +93,57 @@ class TextDelta:
         return text[len(before):]
 
 
-def write_sse_stream(tokens: AsyncIterator[int | Generated], request: StreamedRequest) -> StreamingResponse:
+class EventRuns:
+    """A stream's token events grouped into writes: the first alone, then ``stream_interval`` per write.
+
+    The step thread hands a sequence's tokens to the loop in the same runs
+    (:class:`~chapters.ch08_continuous_batching.step_thread._StepListener`), so a write goes out as
+    soon as the run that completes it arrives. Whatever is held goes out with the stream's last event.
+    """
+
+    def __init__(self, stream_interval: int = 1) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
+        self.stream_interval = stream_interval
+        self.held: list[bytes] = []
+        self.started = False
+
+    def add(self, event: bytes) -> bytes | None:
+        """The bytes to write now (this event and those held before it), or None: hold it."""
+        self.held.append(event)
+        if self.started and len(self.held) < self.stream_interval:
+            return None
+        self.started = True
+        return self.rest()
+
+    def rest(self, last: bytes = b"") -> bytes:
+        """Everything held, then ``last``; nothing is held after."""
+        out, self.held = b"".join(self.held) + last, []
+        return out
+
+
+def write_sse_stream(tokens: AsyncIterator[int | Generated], request: StreamedRequest, stream_interval: int = 1) -> StreamingResponse:
     """Chapter 2's :data:`~chapters.ch02_fastapi_async.api.StreamWriter` for ``/v1/inference``: the
-    backend's events as server-sent events (``token`` per token, then ``done`` or ``error``)."""
-    return StreamingResponse(_inference_events(tokens, request), media_type="text/event-stream",
+    backend's events as server-sent events (``token`` per token, then ``done`` or ``error``), written
+    in runs of ``stream_interval`` after the first (:class:`EventRuns`)."""
+    return StreamingResponse(_inference_events(tokens, request, stream_interval), media_type="text/event-stream",
                              headers={**SSE_HEADERS, REQUEST_ID_HEADER: request.request_id})
 
 
-async def _inference_events(tokens: AsyncIterator[int | Generated], request: StreamedRequest) -> AsyncIterator[bytes]:
-    text = TextDelta(request.tokenizer)
+async def _inference_events(tokens: AsyncIterator[int | Generated], request: StreamedRequest,
+                            stream_interval: int = 1) -> AsyncIterator[bytes]:
+    text, runs = TextDelta(request.tokenizer), EventRuns(stream_interval)
     try:
         async for event in tokens:
             if not isinstance(event, Generated):
-                yield token_event(event, text.add(event))
+                if (due := runs.add(token_event(event, text.add(event)))) is not None:
+                    yield due
                 continue
             timings = {"parse": (request.parsed - request.started) * 1e3, **event.timings_ms,
                        "total": (time.perf_counter() - request.started) * 1e3}
             answer = build_response(request.request_id, request.prompt_len, event.output_ids, request.tokenizer, timings)
-            yield sse(answer.model_dump(), event="done")
+            yield runs.rest(sse(answer.model_dump(), event="done"))
     except ApiError as error:  # after the stream started: the status line is gone, the error is an event
-        yield sse(error.body(), event="error")
+        yield runs.rest(sse(error.body(), event="error"))
     finally:
         await tokens.aclose()  # however it ended (the client gone: Starlette cancelled us), stop the sequence

@@ -21,7 +21,7 @@ from ray import serve
 from chapters.ch05_inference_engine.server import EngineOptions
 from chapters.ch07_production.request_log import configure_json_logging
 from chapters.ch07_production.server import ProductionOptions
-from chapters.ch08_continuous_batching.server import ContinuousSettings, PagedPoolOptions, SchedulerOptions
+from chapters.ch08_continuous_batching.server import ContinuousSettings, PagedPoolOptions, SchedulerOptions, StreamingOptions
 from chapters.ch09_scale_out.cluster import local_cluster
 from chapters.ch09_scale_out.replica import ContinuousReplica, ReplicaOptions, deployment_options
 from shared.settings import ServerSettings, parse_settings
@@ -30,7 +30,7 @@ log = logging.getLogger("chapters.ch09_scale_out")
 APP_NAME = "ch09"
 
 
-class ScaleOutSettings(ReplicaOptions, SchedulerOptions, PagedPoolOptions, EngineOptions, ProductionOptions, ServerSettings):
+class ScaleOutSettings(ReplicaOptions, SchedulerOptions, StreamingOptions, PagedPoolOptions, EngineOptions, ProductionOptions, ServerSettings):
     """Chapter 8's knobs (each replica gets them all: :class:`ContinuousSettings`) and the replicas'."""
 
 
