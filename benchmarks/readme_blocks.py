@@ -398,6 +398,59 @@ def side_by_side_block(directory: Path, folder: str = "side-by-side") -> str:
     return block
 
 
+STREAM_INTERVAL_DIR = "side-by-side-avx2-stream-interval"
+
+
+def stream_interval_block(directory: Path) -> str:
+    """Chapter 8 at several ``--stream-interval`` settings beside chapter 6, in the same rounds of
+    ``benchmarks.streaming compare`` (``<dir>/ch08/side-by-side-avx2-stream-interval/*.json``): per workload and
+    server, the median of the rounds, over chapter 6's, with the streamed gaps between token events (ITL)."""
+    import statistics
+
+    from benchmarks.streaming import describe_harness
+
+    folder = directory / "ch08" / STREAM_INTERVAL_DIR
+    files = sorted(folder.glob("*.json")) if folder.exists() else []
+    if not files:
+        return (f"*No rounds yet: `python -m benchmarks.streaming compare --chapters ch06 ch08 --variant "
+                f"ch08-interval4=ch08:--stream-interval=4 ... --out {_repo_path(folder)}/NAME.json`.*")
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for path in files:
+        run = json.loads(path.read_text())
+        groups.setdefault((run["workload"], run["users"]), []).append(run)
+
+    def interval(run: dict, label: str) -> str:
+        flags = run["variants"].get(label, {}).get("flags", "")
+        if run["variants"].get(label, {}).get("chapter", label) != "ch08":
+            return "— (whole answers)"
+        found = re.search(r"--stream-interval[= ](\d+)", flags)
+        return found.group(1) if found else "1"
+
+    lines = ["| workload | users | rounds | server | stream interval | QPS | / ch06 | P99 (ms) | / ch06 P99 | TTFT P99 (ms) "
+             "| ITL P50 / P99 (ms) | errors |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (workload, users), runs in sorted(groups.items()):
+        def median(label: str, pick) -> float | None:
+            values = [pick(run["chapters"][label]) for run in runs if label in run["chapters"]]
+            values = [v for v in values if v is not None]
+            return statistics.median(values) if values else None
+        labels = list(runs[0]["chapters"])
+        base_qps, base_p99 = median("ch06", lambda f: f["qps"]), median("ch06", lambda f: f["e2e_ms"]["p99"])
+        for label in labels:
+            qps, p99 = median(label, lambda f: f["qps"]), median(label, lambda f: f["e2e_ms"]["p99"])
+            ttft = median(label, lambda f: f["ttft_ms"]["p99"])
+            itl50 = median(label, lambda f: (f.get("itl_ms") or {}).get("p50"))
+            itl99 = median(label, lambda f: (f.get("itl_ms") or {}).get("p99"))
+            itl = "—" if itl50 is None else f"{itl50:,.0f} / {itl99:,.0f}"
+            errors = sum(sum(run["chapters"][label]["errors"].values()) for run in runs)
+            lines.append(f"| {workload} | {users} | {len(runs)} | {label} | {interval(runs[0], label)} | {qps:.1f} "
+                         f"| {qps / base_qps:.2f}× | {p99:,.0f} | {p99 / base_p99:.2f}× | {ttft:,.0f} | {itl} | {errors} |")
+    commands = sorted({f"`{json.loads(path.read_text())['command']}`" for path in files})
+    settings = sorted({describe_harness(json.loads(path.read_text()).get("harness")) for path in files})
+    return ("\n".join(lines) + "\n\nThe median of the rounds per server; every server ran in every round. ITL: the gap between "
+            "two token events of one stream as the client reads them (zero within one write). Reproduce (one file per round; "
+            "the rounds alternate workloads): " + "; ".join(commands) + ". How they ran: " + "; ".join(settings) + ".")
+
+
 def event_loop_block(directory: Path) -> str:
     """Chapter 8's event loop beside its step thread, per source tree, from the ``.json`` files of
     ``<dir>/ch08/event-loop/`` (``thread_share.py`` there): the median of the rounds per tree."""
@@ -727,6 +780,8 @@ def render_key(key: str, results: Mapping[str, BenchmarkResult], directory: Path
         return deploy_block(directory)
     if key == "ch08-event-loop":
         return event_loop_block(directory)
+    if key == "ch08-stream-interval":
+        return stream_interval_block(directory)
     if key == "packed-step-profile":
         return packed_step_profile_block(directory)
     if key == "kv-share":

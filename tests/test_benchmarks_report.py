@@ -344,6 +344,31 @@ def test_a_side_by_side_folder_shows_each_variant_against_chapter_6(tmp_path: Pa
     assert "| mixed | 64 | 3 | 10.0 | 35.0 | 3.50× | 1,000 | 600 | 0.60× | 100 | 0 |" in text
 
 
+def test_the_stream_interval_block_shows_each_setting_against_chapter_6_with_its_token_gaps(tmp_path: Path):
+    from benchmarks.readme_blocks import STREAM_INTERVAL_DIR, stream_interval_block
+
+    def figures(qps: float, itl: tuple[float, float] | None) -> dict:
+        return {"qps": qps, "e2e_ms": {"p99": 1000.0 / qps * 10}, "ttft_ms": {"p99": 100.0}, "errors": {},
+                "itl_ms": {"p50": itl[0], "p99": itl[1]} if itl else None}
+
+    assert "No rounds yet" in stream_interval_block(tmp_path)
+    folder = tmp_path / "ch08" / STREAM_INTERVAL_DIR
+    folder.mkdir(parents=True)
+    for index, interval_qps in enumerate((12.0, 16.0, 14.0)):
+        run = {"workload": "mixed", "users": 64, "command": f"compare round {index}", "harness": None,
+               "variants": {"ch06": {"chapter": "ch06", "flags": ""}, "ch08": {"chapter": "ch08", "flags": ""},
+                            "ch08-interval4": {"chapter": "ch08", "flags": "--stream-interval=4"}},
+               "chapters": {"ch06": figures(5.0, None), "ch08": figures(10.0, (30.0, 60.0)),
+                            "ch08-interval4": figures(interval_qps, (0.0, 120.0 + index))}}
+        (folder / f"mixed-64-round{index}.json").write_text(json.dumps(run))
+    text = stream_interval_block(tmp_path)
+    assert "| mixed | 64 | 3 | ch06 | — (whole answers) | 5.0 | 1.00× | 2,000 | 1.00× | 100 | — | 0 |" in text
+    assert "| mixed | 64 | 3 | ch08 | 1 | 10.0 | 2.00× | 1,000 | 0.50× | 100 | 30 / 60 | 0 |" in text
+    # the variant's medians: 14 QPS (714 ms P99), ITL P99 121 ms
+    assert "| mixed | 64 | 3 | ch08-interval4 | 4 | 14.0 | 2.80× | 714 | 0.36× | 100 | 0 / 121 | 0 |" in text
+    assert "`compare round 0`" in text
+
+
 def test_the_step_profile_table_names_each_files_block_size_and_older_files_the_default_of_their_day(tmp_path: Path):
     from benchmarks.readme_blocks import packed_step_profile_block
 

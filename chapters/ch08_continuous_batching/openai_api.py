@@ -4,7 +4,8 @@ What is supported, and what is refused with a clear 422 instead of being silentl
 
 - ``prompt``: a string, or a list of token ids (one prompt per request: lists of prompts are refused);
 - ``max_tokens`` (default 16, as OpenAI's); the prompt plus ``max_tokens`` must fit the context;
-- ``stream``: server-sent events, one ``text_completion`` chunk per token, then ``data: [DONE]``;
+- ``stream``: server-sent events, one ``text_completion`` chunk per token (written N at a time after
+  the first with ``--stream-interval`` N), then ``data: [DONE]``;
   ``stream_options.include_usage`` adds a last chunk with ``usage``;
 - ``temperature`` (0 to 2; 0 or absent: greedy, the oracle's tokens), ``top_p``, ``top_k`` (vLLM's
   extension; 0: no limit) and ``seed``: :mod:`~chapters.ch08_continuous_batching.sampling`;
