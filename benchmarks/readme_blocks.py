@@ -458,17 +458,20 @@ def event_loop_block(directory: Path) -> str:
     files = sorted(folder.glob("*.json")) if folder.exists() else []
     if not files:
         return f"*No rounds yet: `python {_repo_path(folder)}/thread_share.py --trees BASE . --out {_repo_path(folder)}/NAME.json`.*"
-    lines = ["| workload | answers | users | rounds | tree | QPS | P99 (ms) | event loop: share of the server's CPU | event loop per request (ms) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| workload | answers | users | rounds | tree | QPS | P99 (ms) | event loop: share of the server's CPU | of it in the kernel "
+             "| event loop per request (ms) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     commands, machines = [], set()
     for path in files:
         run = json.loads(path.read_text())
         for tree in run["trees"]:
             median = tree["median"]
             answers = "streamed" if tree.get("streamed", run["streamed"]) else "whole"  # per tree where a run measured both
-            lines.append(f"| {run['workload']} | {answers} | {run['users']} | {run['rounds']} | {tree['label']} (`{tree['commit']}`) "
+            flags = f" `{tree['server_args']}`" if tree.get("server_args") else ""
+            kernel = median.get("event_loop_kernel_share")  # older runs did not split it
+            lines.append(f"| {run['workload']} | {answers} | {run['users']} | {run['rounds']} | {tree['label']} (`{tree['commit']}`){flags} "
                          f"| {median['qps']:.1f} | {median['p99_ms']:,.0f} | {median['event_loop_share']:.1%} "
-                         f"| {median['event_loop_ms_per_request']:.2f} |")
+                         f"| {'—' if kernel is None else f'{kernel:.1%}'} | {median['event_loop_ms_per_request']:.2f} |")
         commands.append(f"`{run['command']}`")
         machines.add(run["cpu"])
     return ("\n".join(lines) + "\n\nThe median of the rounds per tree; the trees alternate within each round. CPU: "

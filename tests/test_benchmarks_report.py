@@ -311,16 +311,22 @@ def test_the_event_loop_block_shows_each_trees_medians(tmp_path: Path):
     folder.mkdir(parents=True)
     (folder / "default-whole.json").write_text(json.dumps(run))
     text = event_loop_block(tmp_path)
-    assert "| default | whole | 64 | 3 | polling (`pol1234567`) | 50.0 | 1,500 | 15.0% | 3.00 |" in text
-    assert "| default | whole | 64 | 3 | waiting (`wai1234567`) | 50.0 | 1,500 | 7.5% | 1.50 |" in text
+    assert "| default | whole | 64 | 3 | polling (`pol1234567`) | 50.0 | 1,500 | 15.0% | — | 3.00 |" in text
+    assert "| default | whole | 64 | 3 | waiting (`wai1234567`) | 50.0 | 1,500 | 7.5% | — | 1.50 |" in text
     assert "`python thread_share.py --trees a b`" in text and "a CPU" in text
     # A run with --both: one tree streamed and whole, each row saying which.
     both = {**run, "command": "python thread_share.py --trees a --both", "workload": "mixed", "streamed": None,
             "trees": [{**tree("head", 0.12), "streamed": True}, {**tree("head", 0.05), "streamed": False}]}
     (folder / "mixed-both.json").write_text(json.dumps(both))
     text = event_loop_block(tmp_path)
-    assert "| mixed | streamed | 64 | 3 | head (`hea1234567`) | 50.0 | 1,500 | 12.0% | 2.40 |" in text
-    assert "| mixed | whole | 64 | 3 | head (`hea1234567`) | 50.0 | 1,500 | 5.0% | 1.00 |" in text
+    assert "| mixed | streamed | 64 | 3 | head (`hea1234567`) | 50.0 | 1,500 | 12.0% | — | 2.40 |" in text
+    assert "| mixed | whole | 64 | 3 | head (`hea1234567`) | 50.0 | 1,500 | 5.0% | — | 1.00 |" in text
+    # A tree run with flags of its own, and the loop's kernel time split out.
+    flagged = {**both, "trees": [{**tree("head", 0.12), "streamed": True, "server_args": "--stream-interval=16",
+                                  "median": {**tree("head", 0.12)["median"], "event_loop_kernel_share": 0.03}}]}
+    (folder / "mixed-flagged.json").write_text(json.dumps(flagged))
+    text = event_loop_block(tmp_path)
+    assert "| mixed | streamed | 64 | 3 | head (`hea1234567`) `--stream-interval=16` | 50.0 | 1,500 | 12.0% | 3.0% | 2.40 |" in text
 
 
 def test_a_side_by_side_folder_shows_each_variant_against_chapter_6(tmp_path: Path):

@@ -14,7 +14,10 @@ a second no step runs.
         --workload default --no-stream --out benchmarks/reference/cpu/ch08/event-loop/default-no-stream.json
 
 ``--both`` measures every tree streamed and with whole answers in the same rounds: what streaming
-each token costs the server.
+each token costs the server. ``--tree-args`` gives each tree flags of its own (the same tree twice,
+at two settings: ``--trees /tmp/wt /tmp/wt --tree-args= --tree-args=--stream-interval=16``). Each thread's
+CPU time is split as the kernel reports it: in the process's own code, and in the kernel on its
+behalf (system calls: for the event loop, mostly its socket writes).
 
 ``python -m benchmarks readme`` writes chapter 8's README table from the ``.json`` files here.
 """
@@ -42,20 +45,21 @@ MODULE = "chapters.ch08_continuous_batching"
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def thread_seconds(pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) of each thread of ``pid``: ``event loop`` (the main thread) and the rest by thread id."""
-    seconds: dict[str, float] = {}
+def thread_seconds(pid: int) -> dict[str, tuple[float, float]]:
+    """CPU seconds (user, system) of each thread of ``pid``: ``event loop`` (the main thread) and the rest by thread id."""
+    seconds: dict[str, tuple[float, float]] = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue  # a thread that ended meanwhile
-        seconds["event loop" if tid == str(pid) else tid] = (int(fields[11]) + int(fields[12])) / TICKS
+        seconds["event loop" if tid == str(pid) else tid] = (int(fields[11]) / TICKS, int(fields[12]) / TICKS)
     return seconds
 
 
-def measure(tree: Path, stream: bool, args: argparse.Namespace) -> dict:
+def measure(tree: Path, stream: bool, args: argparse.Namespace, tree_args: tuple[str, ...] = ()) -> dict:
     harness, flags, env = harness_settings("cpu")
+    flags = [*flags, *tree_args]
     # The chapter's code from ``tree`` (first on the path), the harness's client from this checkout.
     launcher = f"import runpy, sys; sys.path.insert(0, {str(tree)!r}); runpy.run_module({MODULE!r}, run_name='__main__')"
     server_process.server_command = lambda module, port, extra=(): [sys.executable, "-c", launcher, "--port", str(port), *extra]
@@ -64,13 +68,15 @@ def measure(tree: Path, stream: bool, args: argparse.Namespace) -> dict:
         before = thread_seconds(server.pid)
         records, window = asyncio.run(run_closed_loop(server.url, args.users, args.duration_s, args.workload, stream, seed=args.seed))
         after = thread_seconds(server.pid)
-    used = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in after}
+    split = {key: tuple(a - b for a, b in zip(after[key], before.get(key, (0.0, 0.0)))) for key in after}
+    used = {key: user + system for key, (user, system) in split.items()}
     total = sum(used.values())
     # The step thread: the busiest of the others (the OS does not know Python's thread names before 3.14).
     step = max((seconds for key, seconds in used.items() if key != "event loop"), default=0.0)
     summary = summarize(records, window, None, None, None)
     return {"qps": summary["qps"], "p99_ms": summary["e2e_ms"]["p99"], "requests": summary["requests"],
             "event_loop_share": used.get("event loop", 0.0) / total, "step_share": step / total,
+            "event_loop_kernel_share": split.get("event loop", (0.0, 0.0))[1] / total,
             "event_loop_ms_per_request": used.get("event loop", 0.0) / max(summary["requests"], 1) * 1e3}
 
 
@@ -85,6 +91,8 @@ def main() -> None:
     answers = parser.add_mutually_exclusive_group()
     answers.add_argument("--no-stream", action="store_true", help="whole answers (the climb's way) instead of server-sent events")
     answers.add_argument("--both", action="store_true", help="every tree streamed and whole, in the same rounds (what streaming costs)")
+    parser.add_argument("--tree-args", action="append", default=None,
+                        help="server flags of one tree, once per tree in order, written --tree-args=FLAGS (default: none)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
     args = parser.parse_args()
@@ -94,13 +102,16 @@ def main() -> None:
     labels = args.labels or commits
     if len(labels) != len(trees):
         parser.error("--labels needs one name per tree")
+    tree_args = [tuple(shlex.split(a)) for a in args.tree_args] if args.tree_args else [()] * len(trees)
+    if len(tree_args) != len(trees):
+        parser.error("--tree-args needs one string per tree")
     modes = [True, False] if args.both else [not args.no_stream]  # streamed?
-    cases = [(tree, label, commit, stream) for tree, label, commit in zip(trees, labels, commits) for stream in modes]
+    cases = [(tree, label, commit, stream, extra) for tree, label, commit, extra in zip(trees, labels, commits, tree_args) for stream in modes]
     rows: dict[tuple, list[dict]] = {case: [] for case in cases}
     for index in range(args.rounds):
         for case in cases if index % 2 == 0 else cases[::-1]:
-            tree, stream = case[0], case[3]
-            row = measure(tree, stream, args)
+            tree, stream, extra = case[0], case[3], case[4]
+            row = measure(tree, stream, args, extra)
             rows[case].append(row)
             print(f"round {index + 1} {tree} {'streamed' if stream else 'whole'}: {row['qps']:.1f} QPS, P99 {row['p99_ms']:.0f} ms, event loop "
                   f"{row['event_loop_share']:.1%} of the server's CPU ({row['event_loop_ms_per_request']:.2f} ms a request)", flush=True)
@@ -111,9 +122,10 @@ def main() -> None:
                 "duration_s": args.duration_s, "streamed": None if args.both else not args.no_stream, "rounds": args.rounds, "cpu": cpu_description(),
                 "trees": []}
     for case, measured in rows.items():
-        _, label, commit, stream = case
+        _, label, commit, stream, extra = case
         median = {key: statistics.median(row[key] for row in measured) for key in measured[0]}
-        document["trees"].append({"label": label, "commit": commit, "streamed": stream, "median": median, "runs": measured})
+        document["trees"].append({"label": label, "commit": commit, "streamed": stream, "server_args": shlex.join(extra),
+                                  "median": median, "runs": measured})
         print(f"  {label} ({commit}), {'streamed' if stream else 'whole'}: {median['qps']:.1f} QPS, P99 {median['p99_ms']:.0f} ms, event loop "
               f"{median['event_loop_share']:.1%} of the server's CPU, {median['event_loop_ms_per_request']:.2f} ms of it a request")
     if args.out is not None:
