@@ -407,28 +407,22 @@ def stream_interval_block(directory: Path) -> str:
     server, the median of the rounds, over chapter 6's, with the streamed gaps between token events (ITL)."""
     import statistics
 
-    from benchmarks.streaming import describe_harness
-
     folder = directory / "ch08" / STREAM_INTERVAL_DIR
-    files = sorted(folder.glob("*.json")) if folder.exists() else []
-    if not files:
+    rounds = _compare_rounds(folder)
+    if not rounds:
         return (f"*No rounds yet: `python -m benchmarks.streaming compare --chapters ch06 ch08 --variant "
                 f"ch08-interval4=ch08:--stream-interval=4 ... --out {_repo_path(folder)}/NAME.json`.*")
-    groups: dict[tuple[str, int], list[dict]] = {}
-    for path in files:
-        run = json.loads(path.read_text())
-        groups.setdefault((run["workload"], run["users"]), []).append(run)
 
     def interval(run: dict, label: str) -> str:
-        flags = run["variants"].get(label, {}).get("flags", "")
-        if run["variants"].get(label, {}).get("chapter", label) != "ch08":
+        variant = run["variants"].get(label, {})
+        if variant.get("chapter", label) != "ch08":
             return "— (whole answers)"
-        found = re.search(r"--stream-interval[= ](\d+)", flags)
+        found = re.search(r"--stream-interval[= ](\d+)", variant.get("flags", ""))
         return found.group(1) if found else "1"
 
     lines = ["| workload | users | rounds | server | stream interval | QPS | / ch06 | P99 (ms) | / ch06 P99 | TTFT P99 (ms) "
              "| ITL P50 / P99 (ms) | errors |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for (workload, users), runs in sorted(groups.items()):
+    for (workload, users), runs in sorted(_by_load(rounds).items()):
         def median(label: str, pick) -> float | None:
             values = [pick(run["chapters"][label]) for run in runs if label in run["chapters"]]
             values = [v for v in values if v is not None]
@@ -444,11 +438,10 @@ def stream_interval_block(directory: Path) -> str:
             errors = sum(sum(run["chapters"][label]["errors"].values()) for run in runs)
             lines.append(f"| {workload} | {users} | {len(runs)} | {label} | {interval(runs[0], label)} | {qps:.1f} "
                          f"| {qps / base_qps:.2f}× | {p99:,.0f} | {p99 / base_p99:.2f}× | {ttft:,.0f} | {itl} | {errors} |")
-    commands = sorted({f"`{json.loads(path.read_text())['command']}`" for path in files})
-    settings = sorted({describe_harness(json.loads(path.read_text()).get("harness")) for path in files})
+    commands, settings = _reproduce(rounds)
     return ("\n".join(lines) + "\n\nThe median of the rounds per server; every server ran in every round. ITL: the gap between "
             "two token events of one stream as the client reads them (zero within one write). Reproduce (one file per round; "
-            "the rounds alternate workloads): " + "; ".join(commands) + ". How they ran: " + "; ".join(settings) + ".")
+            "the rounds alternate workloads): " + commands + ". How they ran: " + settings + ".")
 
 
 def event_loop_block(directory: Path) -> str:
@@ -491,18 +484,14 @@ def chapter_pair_block(folder: Path, base: str, other: str, note: str) -> str:
     ``folder``): per workload and load, the median of the rounds per chapter and ``other``'s over ``base``'s."""
     import statistics
 
-    files = sorted(folder.glob("*.json")) if folder.exists() else []
-    if not files:
+    rounds = _compare_rounds(folder)
+    if not rounds:
         return (f"*No rounds yet: `python -m benchmarks.streaming compare --chapters {base} {other} ... "
                 f"--out {_repo_path(folder)}/NAME.json`.*")
-    groups: dict[tuple[str, int], list[dict]] = {}
-    for path in files:
-        run = json.loads(path.read_text())
-        groups.setdefault((run["workload"], run["users"]), []).append(run)
     lines = [f"| workload | users | rounds | {base} QPS | {other} QPS | {other} / {base} | {base} P99 (ms) | {other} P99 (ms) "
              f"| {other} / {base} P99 | {other} TTFT P99 (ms) | errors |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for (workload, users), runs in sorted(groups.items()):
+    for (workload, users), runs in sorted(_by_load(rounds).items()):
         def median(chapter: str, pick) -> float:
             return statistics.median(pick(run["chapters"][chapter]) for run in runs)
         qps_base, qps_other = median(base, lambda f: f["qps"]), median(other, lambda f: f["qps"])
@@ -511,12 +500,31 @@ def chapter_pair_block(folder: Path, base: str, other: str, note: str) -> str:
         errors = sum(sum(f["errors"].values()) for run in runs for f in run["chapters"].values())
         lines.append(f"| {workload} | {users} | {len(runs)} | {qps_base:.1f} | {qps_other:.1f} | {qps_other / qps_base:.2f}× "
                      f"| {p99_base:,.0f} | {p99_other:,.0f} | {p99_other / p99_base:.2f}× | {ttft:,.0f} | {errors} |")
+    commands, settings = _reproduce(rounds)
+    return ("\n".join(lines) + "\n\nReproduce (one file per round; the rounds alternate workloads): " + commands
+            + note + " How they ran: " + settings + ".")
+
+
+def _compare_rounds(folder: Path) -> list[dict]:
+    """Every round of ``benchmarks.streaming compare`` in ``folder`` (one JSON file each), in the files' order."""
+    return [json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))] if folder.exists() else []
+
+
+def _by_load(rounds: list[dict]) -> dict[tuple[str, int], list[dict]]:
+    """The rounds per (workload, users)."""
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for run in rounds:
+        groups.setdefault((run["workload"], run["users"]), []).append(run)
+    return groups
+
+
+def _reproduce(rounds: list[dict]) -> tuple[str, str]:
+    """The rounds' commands, and how their servers and client ran, each joined for a README sentence."""
     from benchmarks.streaming import describe_harness
 
-    commands = sorted({f"`{json.loads(path.read_text())['command']}`" for path in files})
-    settings = sorted({describe_harness(json.loads(path.read_text()).get("harness")) for path in files})
-    return ("\n".join(lines) + "\n\nReproduce (one file per round; the rounds alternate workloads): " + "; ".join(commands)
-            + note + " How they ran: " + "; ".join(settings) + ".")
+    commands = sorted({f"`{run['command']}`" for run in rounds})
+    settings = sorted({describe_harness(run.get("harness")) for run in rounds})
+    return "; ".join(commands), "; ".join(settings)
 
 
 SCALE_OUT_DIR = "ch09"
