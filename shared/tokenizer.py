@@ -37,6 +37,10 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
+        try:  # every id a byte (the common case: specials are rare in an answer): one C call
+            return bytes(ids).decode("utf-8", errors="replace")
+        except ValueError:  # a special id among them: decode the bytes between them, name the specials
+            pass
         parts: list[str] = []
         run = bytearray()
         for token in ids:

@@ -6,6 +6,9 @@
 - Served in process: ``/v1/inference`` and ``/v1/completions`` stream the oracle's tokens, the same
   events as at 1, in the writes the rule says, and the step thread hands each stream its tokens in
   the same runs (so the event loop wakes a stream once per run).
+- A request's stream gives its reader every token handed over, in order, then the ending, however
+  hand-overs and reads interleave, and a reader cancelled while it waits (a client gone) breaks
+  nothing for the next hand-over.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from hypothesis import strategies as st
 
 from chapters.ch08_continuous_batching.server import ContinuousSettings, build_app
 from chapters.ch08_continuous_batching.scheduler import Sequence
-from chapters.ch08_continuous_batching.step_thread import RequestStream, _StepListener
+from chapters.ch08_continuous_batching.step_thread import Finished, RequestStream, _StepListener
 from shared.schemas import ApiError
 
 # One step of the model below: each running sequence either gets a token, finishes with one, or is
@@ -70,6 +73,51 @@ def test_the_listener_hands_each_token_over_once_first_at_once_then_in_runs_and_
     for i in ended:
         assert handed[i] == made[i]
     assert not any(seqs.index(s) in ended for s in [*listener.tokens, *listener._started]), "an ended sequence leaves nothing behind"
+
+
+# What happens to a stream, in order: a hand-over of n tokens, a read, a read that waits for the next
+# hand-over (of n >= 1 tokens), or a read cancelled while it waits.
+stream_plans = st.lists(st.one_of(st.tuples(st.just("push"), st.integers(0, 4)), st.just(("read", 0)),
+                                  st.tuples(st.just("waiting read"), st.integers(1, 4)), st.just(("cancelled read", 0))),
+                        max_size=30)
+
+
+@given(stream_plans)
+@settings(max_examples=200, deadline=None)
+def test_a_request_stream_reads_every_token_in_order_then_the_ending_whatever_the_interleaving(plan) -> None:
+    async def scenario() -> None:
+        stream = RequestStream(Sequence([1, 2, 3], 64))
+        handed, read = [], []
+
+        def push(n: int) -> None:
+            tokens = list(range(len(handed), len(handed) + n))
+            handed.extend(tokens)
+            stream.push(tokens, None)
+
+        for action, n in plan:
+            if action == "push":
+                push(n)
+            elif action == "read" and len(read) < len(handed):
+                read.append(await stream.next())
+            elif action in ("waiting read", "cancelled read") and len(read) == len(handed):
+                reader = asyncio.create_task(stream.next())
+                await asyncio.sleep(0)  # one turn of the loop: the reader runs until it waits
+                assert not reader.done(), "nothing to read: the reader waits"
+                if action == "waiting read":
+                    push(n)
+                    read.append(await asyncio.wait_for(reader, timeout=5))
+                else:
+                    reader.cancel()
+                    with pytest.raises(asyncio.CancelledError):
+                        await reader
+        ending = Finished(handed, {})
+        stream.push([], ending)
+        while (event := await stream.next()) is not ending:
+            read.append(event)
+        assert read == handed
+        assert stream.result.result() is ending
+
+    asyncio.run(scenario())
 
 
 def test_an_interval_below_one_is_refused() -> None:

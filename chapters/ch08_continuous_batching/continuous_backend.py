@@ -124,13 +124,11 @@ class ContinuousBackend:
 
     async def _events(self, stream: RequestStream) -> AsyncIterator[int | Generated]:
         try:
-            async for event in stream.tokens():
-                if not isinstance(event, Finished):
-                    yield event
-                elif event.error is not None:
-                    raise event.error
-                else:
-                    yield _completion(event)
+            while not isinstance(event := await stream.next(), Finished):
+                yield event
+            if event.error is not None:
+                raise event.error
+            yield _completion(event)
         finally:
             self._cancel(stream)
 

@@ -30,7 +30,6 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 
 from chapters.ch03_dynamic_batching.live_view import LiveEvents
@@ -70,27 +69,37 @@ class SampledToken(int):
 
 
 class RequestStream:
-    """The event-loop side of one sequence: its tokens as they come, then one :class:`Finished`."""
+    """The event-loop side of one sequence: its tokens as they come, then one :class:`Finished`.
+
+    What a step hands over waits in a deque; a reader with nothing to read waits on one future, which
+    the next hand-over resolves. This is what vLLM's ``RequestOutputCollector`` does instead of an
+    ``asyncio.Queue``: a queue wakes its getter and keeps its own books for every item put, and this
+    stream gets one item per token, on the event loop every request shares.
+    """
 
     def __init__(self, seq: Sequence) -> None:
         self.seq = seq
-        self._events: asyncio.Queue[int | Finished] = asyncio.Queue()
+        self._pending: deque[int | Finished] = deque()
+        self._waiter: asyncio.Future[None] | None = None  # the reader's, while it waits
         self.result: asyncio.Future[Finished] = asyncio.get_running_loop().create_future()
 
     def push(self, tokens: list[int], finished: Finished | None) -> None:
-        for token in tokens:
-            self._events.put_nowait(token)
+        self._pending.extend(tokens)
         if finished is not None and not self.result.done():
-            self._events.put_nowait(finished)
+            self._pending.append(finished)
             self.result.set_result(finished)
+        if self._waiter is not None and not self._waiter.done():  # done: its reader was cancelled
+            self._waiter.set_result(None)
 
-    async def tokens(self) -> AsyncIterator[int | Finished]:
-        """Each token as it is generated, then the :class:`Finished` event (which ends the iteration)."""
-        while True:
-            event = await self._events.get()
-            yield event
-            if isinstance(event, Finished):
-                return
+    async def next(self) -> int | Finished:
+        """The next event: a token as it is generated, or the :class:`Finished` event (the last)."""
+        while not self._pending:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._pending.popleft()
 
 
 class _StepListener:
