@@ -72,9 +72,10 @@ class RequestStream:
     """The event-loop side of one sequence: its tokens as they come, then one :class:`Finished`.
 
     What a step hands over waits in a deque; a reader with nothing to read waits on one future, which
-    the next hand-over resolves. This is what vLLM's ``RequestOutputCollector`` does instead of an
-    ``asyncio.Queue``: a queue wakes its getter and keeps its own books for every item put, and this
-    stream gets one item per token, on the event loop every request shares.
+    the next hand-over resolves. Not an ``asyncio.Queue``: a queue wakes its getter and keeps its own
+    books for every item put, and this stream gets one item per token, on the event loop every
+    request shares. vLLM's ``RequestOutputCollector`` keeps no queue either (one slot that later
+    outputs merge into, and an ``asyncio.Event``); here each token stays an item of its own.
     """
 
     def __init__(self, seq: Sequence) -> None:
