@@ -24,6 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sampling_oracle import model_logits, reference_distribution, reference_sampled
 from scipy.stats import chisquare
+from test_tokenizer import byte_ids
 
 from chapters.ch03_dynamic_batching.step_loop import run_until_done
 from chapters.ch04_memory_pool.memory_pool import KVMemoryPool
@@ -196,9 +197,6 @@ def whole_decode_deltas(tokenizer, ids: list[int]) -> list[str]:
     return deltas
 
 
-# Byte tokens, the special ones above them, and runs of bytes that make or break UTF-8 characters.
-byte_ids = st.lists(st.one_of(st.integers(0, BYTE_VOCAB_SIZE - 1), st.sampled_from([0xE2, 0x82, 0xAC, 0xC3, 0xA9, 0xF0, 0x9F])),
-                    max_size=40)
 
 
 @given(byte_ids)
