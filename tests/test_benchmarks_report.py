@@ -350,6 +350,48 @@ def test_a_side_by_side_folder_shows_each_variant_against_chapter_6(tmp_path: Pa
     assert "| mixed | 64 | 3 | 10.0 | 35.0 | 3.50× | 1,000 | 600 | 0.60× | 100 | 0 |" in text
 
 
+def test_the_targets_block_reads_each_target_against_its_rounds_and_says_which_are_met(tmp_path: Path):
+    from benchmarks.readme_blocks import CH08_TARGET_CLIMB, CH08_TARGET_PROFILES, ch08_targets_block
+
+    def figures(qps: float, p99: float, ttft: float = 100.0) -> dict:
+        return {"qps": qps, "e2e_ms": {"p99": p99}, "ttft_ms": {"p99": ttft}, "errors": {}, "engine": {"precision": "fp32"}}
+
+    folder = tmp_path / "ch08" / "side-by-side-avx2-streamed-collector"
+    folder.mkdir(parents=True)
+    # chapter 6 at 10/20/40 QPS, chapter 8 at 12/26/44: medians 20 and 26, 1.30x, exactly the bound, though the rounds'
+    # own ratios (1.20/1.30/1.10) have a median of 1.20: the figure is the tables' ratio of the medians.
+    # P99: chapter 6 at 1,000 every round, chapter 8 at 700/800/1,100: median 800 over 1,000, 0.80x, over mixed's 0.75.
+    for index, (base, ours, p99) in enumerate(((10.0, 12.0, 700.0), (20.0, 26.0, 800.0), (40.0, 44.0, 1100.0))):
+        for workload in ("default", "mixed"):
+            run = {"workload": workload, "users": 64, "harness": {"git_commit": "ab" * 20, "cpu": "Some CPU"},
+                   "chapters": {"ch06": figures(base, 1000.0), "ch08": figures(ours, p99)}}
+            (folder / f"{workload}-round{index}.json").write_text(json.dumps(run))
+    (tmp_path / "ch08" / CH08_TARGET_PROFILES[0][1]).write_text(
+        "median step 20.00 ms: ...; running 64, tokens per step 64\nschedule + prepare + update = 16.2% of the median step\n")
+    save_result(synthetic_result("ch06", [SyntheticLevel(64, 40, 900, 1000)]), tmp_path / CH08_TARGET_CLIMB)
+    save_result(synthetic_result("ch08", [SyntheticLevel(64, 50, 700, 800)]), tmp_path / CH08_TARGET_CLIMB)
+    text = ch08_targets_block(tmp_path)
+    rows = {tuple(cell.strip() for cell in line.split("|")[1:5]): line for line in text.splitlines() if line.startswith("| ")}
+    streamed = "`side-by-side-avx2-streamed-collector/` (streamed)"
+    qps = rows["QPS, chapter 8 over chapter 6", "default", "64", streamed]
+    assert "| `abababa` | 3 | 1.30× | 1.20× / 1.30× / 1.10× | >= 1.30× | yes |" in qps
+    assert "| 0.80× | 0.70× / 0.80× / 1.10× | <= 1.00× | yes |" in rows["P99, chapter 8 over chapter 6", "default", "64", streamed]
+    assert rows["P99, chapter 8 over chapter 6", "mixed", "64", streamed].endswith("| <= 0.75× | **no** |")
+    assert rows["QPS, chapter 8 over chapter 6", "mixed", "64", streamed].endswith("| >= 4.00× | **no** |")
+    # the folders not written, and the second profile, say so instead of a figure
+    whole = rows["QPS, chapter 8 over chapter 6", "default", "64", "`side-by-side-avx2-waiting-no-stream/` (whole answers)"]
+    assert "| 0 | not measured |" in whole
+    assert "| 64 running |" in text and "| 16.2% | — | <= 15% | **no** |" in text
+    assert sum("schedule + prepare + update" in line and "not measured" in line for line in rows.values()) == 1
+    assert "over the best other chapter's (ch06) | default | best level |" in text and "| 1.25× | — | > 1.00× | yes |" in text
+    # the climb also measures the default target: 50 QPS over 40 is short of 1.3x; P99 at 64 users 800 over 1,000
+    climb = "`climb-avx2/` (Locust, whole answers)"
+    assert rows["QPS, chapter 8 over chapter 6", "default", "best level (ch06 64, ch08 64)", climb].endswith(
+        "| 1.25× | — | >= 1.30× | **no** |")
+    assert rows["P99, chapter 8 over chapter 6", "default", "64", climb].endswith("| 0.80× | — | <= 1.00× | yes |")
+    assert "vLLM's CPU backend" in text and "Where they ran: `side-by-side-avx2-streamed-collector/` on Some CPU (chapter 6 fp32, chapter 8 fp32)." in text
+
+
 def test_the_stream_interval_block_shows_each_setting_against_chapter_6_with_its_token_gaps(tmp_path: Path):
     from benchmarks.readme_blocks import STREAM_INTERVAL_DIR, stream_interval_block
 
