@@ -1,5 +1,10 @@
-# The README's commands. Every target works on a fresh machine: `setup` installs what is missing.
+# The README's commands. Every target works on a fresh machine: `setup` makes the project's own
+# virtual environment (.venv) from $(PYTHON) and installs into it; every target then runs from it.
 PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# 1 when the user named the interpreter (make test PYTHON=python3.12): a .venv made from another is made again.
+PYTHON_CHOSEN := $(if $(filter command line environment,$(origin PYTHON)),1,0)
 # A CPU build by default; GPU users override, e.g. make setup TORCH_SPEC="torch==2.13.0 --index-url ..."
 TORCH_SPEC ?= torch==2.13.0
 CH ?= ch01
@@ -11,11 +16,10 @@ PYTEST_ARGS ?=
 # Interleaved rounds of the climb; each chapter keeps its median run (a shared machine is noisy).
 REPEAT ?= 3
 
-.PHONY: setup browser climb test test-slow serve diff model bench reference ceiling notebooks student grade
+.PHONY: setup browser climb test test-cpus test-slow serve diff model bench reference ceiling notebooks student grade
 
 setup:
-	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install $(TORCH_SPEC)
-	$(PYTHON) -m pip install -q -e ".[dev]"
+	@bash scripts/setup_venv.sh "$(PYTHON)" "$(VENV)" "$(TORCH_SPEC)" $(PYTHON_CHOSEN)
 	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || $(MAKE) --no-print-directory browser
 
 # The live page's browser test (tests/test_live_page.py) drives the distribution's Chromium; it needs
@@ -27,49 +31,59 @@ browser:
 
 # The main job: every chapter under load, the table and the plots.
 climb: setup
-	$(PYTHON) -m benchmarks climb --profile $(PROFILE) --repeat $(REPEAT)
+	$(PY) -m benchmarks climb --profile $(PROFILE) --repeat $(REPEAT)
 
 test: setup
-	$(PYTHON) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The numerically sensitive tests (oracles, equivalence, sampling, the engine and attention rules, the
+# prefix cache) once per CPU capability this machine can stand in for (scripts/test_cpus.sh).
+NUMERIC_TESTS ?= tests/test_model.py tests/test_equivalence.py tests/test_ch03_batched_generation.py \
+	tests/test_ch05_engines.py tests/test_ch08_sampling.py tests/test_ch08_prefix_caching.py \
+	tests/test_ch08_scheduler.py tests/test_ch08_server.py
+test-cpus: setup
+	@bash scripts/test_cpus.sh $(PY) $(NUMERIC_TESTS) $(PYTEST_ARGS)
 
 test-slow: setup
-	$(PYTHON) -m pytest -m slow $(PYTEST_ARGS)
+	$(PY) -m pytest -m slow $(PYTEST_ARGS)
 
 # Any chapter folder, chapter 9 included (measured by its own recorders, not in the climb): CH=ch09 runs chapters/ch09_*.
-serve:
+# Chapter 9 starts as its README's example does: two replicas on half a core each, one torch thread each.
+SERVE_ARGS_ch09 = --num-replicas 2 --replica-cpus 0.5 --torch-threads 1
+serve: setup
 	@test -d chapters/$(CH)_* || { echo "no chapter $(CH): see chapters/"; exit 2; }
-	$(PYTHON) -m chapters.$$(basename chapters/$(CH)_*) --port $(PORT)
+	$(PY) -m chapters.$$(basename chapters/$(CH)_*) --port $(PORT) $(SERVE_ARGS_$(CH))
 
 # Record reference results (commit benchmarks/reference/ afterwards) and refill the READMEs' result blocks.
 reference: setup
-	$(PYTHON) -m benchmarks climb --profile $(PROFILE) --ceiling --repeat $(REPEAT) --save-reference
-	$(PYTHON) -m benchmarks readme
+	$(PY) -m benchmarks climb --profile $(PROFILE) --ceiling --repeat $(REPEAT) --save-reference
+	$(PY) -m benchmarks readme
 
-ceiling:
-	$(PYTHON) -m benchmarks ceiling --profile $(PROFILE)
+ceiling: setup
+	$(PY) -m benchmarks ceiling --profile $(PROFILE)
 
 # Re-execute every notebook in place against benchmarks/reference/ (commit them executed, so they render).
 # RESULTS=benchmarks/results/cpu plots your own run instead (then do not commit them).
-notebooks:
-	$(PYTHON) -m benchmarks.notebooks $(if $(RESULTS),--results-dir $(RESULTS))
+notebooks: setup
+	$(PY) -m benchmarks.notebooks $(if $(RESULTS),--results-dir $(RESULTS))
 
-bench:
-	$(PYTHON) -m benchmarks run --chapter $(CH) --profile $(PROFILE)
+bench: setup
+	$(PY) -m benchmarks run --chapter $(CH) --profile $(PROFILE)
 
 # What chapter TO adds over chapter FROM: only the lesson.
-diff:
-	@$(PYTHON) -m chapters.diff $(FROM) $(TO)
+diff: setup
+	@$(PY) -m chapters.diff $(FROM) $(TO)
 
 # Retrain the embedded default model (deterministic, about 15 minutes on 2 cores).
-model:
-	$(PYTHON) -m shared.train_default
+model: setup
+	$(PY) -m shared.train_default
 
 # Exercises (exercises/README.md). CH=ch03 or CH=all; OUT defaults to <repo>-student-<CH> beside the repository.
 OUT ?=
 TREE ?= .
-student:
-	$(PYTHON) -m exercises student $(if $(filter all,$(CH)),--all,--chapter $(CH)) $(if $(OUT),--out $(OUT))
+student: setup
+	$(PY) -m exercises student $(if $(filter all,$(CH)),--all,--chapter $(CH)) $(if $(OUT),--out $(OUT))
 
 # Grade a tree (default: this one) for chapter CH, or every chapter with CH=all.
-grade:
-	$(PYTHON) -m exercises grade --tree $(TREE) $(if $(filter all,$(CH)),,--chapter $(CH))
+grade: setup
+	$(PY) -m exercises grade --tree $(TREE) $(if $(filter all,$(CH)),,--chapter $(CH))

@@ -6,7 +6,8 @@
     ceiling   the harness's own limit (Locust against an instant endpoint)  [--workers N]
     report    redraw the table and plots from a results directory
     reference copy results/<profile>/ to reference/<profile>/ (committed) and redraw there
-    readme    rewrite the <!-- results:KEY --> blocks of README.md and chapters/*/README.md
+    readme    rewrite the <!-- results:KEY --> blocks of README.md, benchmarks/RESULTS.md, chapters/*/README.md,
+              chapters/*/RESULTS.md and benchmarks/studies/*/README.md
 
 run, climb, openloop and ceiling take --workers N: Locust's distributed mode for the load generator.
 """
@@ -18,9 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.profiles import PROFILE_NAMES, get_profile, resolve_profile_name
-from benchmarks.results import REFERENCE_ROOT, RESULTS_ROOT
-from benchmarks.workload import WORKLOADS
+from benchmarks.harness.profiles import PROFILE_NAMES, get_profile, resolve_profile_name
+from benchmarks.harness.results import REFERENCE_ROOT, RESULTS_ROOT
+from benchmarks.harness.workload import WORKLOADS
 
 
 def _levels(text: str) -> list[int]:
@@ -127,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     readme = commands.add_parser("readme", help="rewrite the results blocks of the READMEs from reference results")
     readme.add_argument("--profile", choices=("smoke", "cpu", "gpu"), default="cpu")
     readme.add_argument("--dir", type=Path, help="results to use (default: benchmarks/reference/<profile>)")
-    readme.add_argument("files", nargs="*", type=Path, help="default: README.md and chapters/*/README.md")
+    readme.add_argument("files", nargs="*", type=Path, help="default: README.md, benchmarks/RESULTS.md, chapters/*/README.md and RESULTS.md, benchmarks/studies/*/README.md")
     return parser
 
 
@@ -141,14 +142,14 @@ def _print_report(directory: Path, workload: str, notes: dict[str, str] | None =
 
 
 def _save_reference(paths: list[Path], profile: str) -> None:
-    from benchmarks.reference import save_reference
+    from benchmarks.report.reference import save_reference
 
     for files in save_reference(paths, profile):
         print(f"reference results saved: {files.table.parent}")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from benchmarks.harness import chapter_is_built, run_chapter
+    from benchmarks.harness.climb import chapter_is_built, run_chapter
 
     if not chapter_is_built(args.chapter):
         print(f"{args.chapter}: not built yet (no chapters/<folder>/__main__.py), nothing to measure", file=sys.stderr)
@@ -166,14 +167,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_climb(args: argparse.Namespace) -> int:
-    from benchmarks.harness import climb, climb_repeated, results_dir
+    from benchmarks.harness.climb import climb, climb_repeated, results_dir
 
     profile = get_profile(args.profile)
     print(f"climb on the {profile.name!r} profile (asked: {args.profile}), workload {args.workload!r}")
     began = time.monotonic()
     saved: list[Path] = []
     if args.ceiling:
-        from benchmarks.ceiling import run_ceiling
+        from benchmarks.harness.ceiling import run_ceiling
 
         saved.append(run_ceiling(profile, out_dir=args.out, workers=args.loadgen_workers)[1])
     options = dict(chapters=args.chapters, workload=args.workload, levels=args.levels, weights=args.weights,
@@ -193,7 +194,7 @@ def cmd_climb(args: argparse.Namespace) -> int:
 
 
 def cmd_openloop(args: argparse.Namespace) -> int:
-    from benchmarks.harness import open_loop_climb, results_dir
+    from benchmarks.harness.climb import open_loop_climb, results_dir
 
     if args.label and (not args.chapters or len(args.chapters) != 1):
         print("--label names one chapter's variant: give exactly one --chapters", file=sys.stderr)
@@ -215,7 +216,7 @@ def cmd_openloop(args: argparse.Namespace) -> int:
 
 
 def cmd_ceiling(args: argparse.Namespace) -> int:
-    from benchmarks.ceiling import run_ceiling
+    from benchmarks.harness.ceiling import run_ceiling
 
     profile = get_profile(args.profile)
     _, path = run_ceiling(profile, out_dir=args.out, workers=args.loadgen_workers)
@@ -236,7 +237,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_reference(args: argparse.Namespace) -> int:
-    from benchmarks.results import load_result
+    from benchmarks.harness.results import load_result
 
     profile = resolve_profile_name(args.profile)
     source = args.out or RESULTS_ROOT / profile
@@ -251,7 +252,7 @@ def cmd_reference(args: argparse.Namespace) -> int:
 
 
 def cmd_readme(args: argparse.Namespace) -> int:
-    from benchmarks.readme_blocks import update_readmes
+    from benchmarks.report.readme_blocks import update_readmes
 
     changed = update_readmes(args.files or None, profile=args.profile, directory=args.dir)
     for path in changed:

@@ -16,9 +16,9 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmarks.harness import run_chapter
-from benchmarks.profiles import PROFILE_NAMES, get_profile
-from benchmarks.results import REPO_ROOT, RESULTS_ROOT, BenchmarkResult
+from benchmarks.harness.climb import run_chapter
+from benchmarks.harness.profiles import PROFILE_NAMES, get_profile
+from benchmarks.harness.results import REPO_ROOT, RESULTS_ROOT, BenchmarkResult
 from chapters.ch06_tuned_batching.server import TUNED_CONFIG
 
 

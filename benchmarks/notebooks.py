@@ -9,7 +9,7 @@ the PNG's hash: a README caption is checked against them (``tests/test_notebooks
 
 A notebook reads ``$SFS_RESULTS_DIR`` (default: ``benchmarks/reference/<profile>``); ``--results-dir``
 sets it for the kernel. Execution fails on any error, including a figure with an empty panel (the
-notebooks display figures through :func:`benchmarks.notebook_plots.show`, which refuses those).
+notebooks display figures through :func:`benchmarks.report.notebook_plots.show`, which refuses those).
 nbclient runs each notebook in a fresh Jupyter kernel: Locust is never imported in-process.
 """
 
@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-from benchmarks.results import REPO_ROOT
+from benchmarks.harness.results import REPO_ROOT
 
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 FIGURES_DIR = NOTEBOOKS_DIR / "figures"
@@ -73,7 +73,7 @@ def execute(path: Path, env: Mapping[str, str] | None = None, timeout_s: int = C
 
 def main_figure(notebook) -> tuple[bytes, list[str]] | None:
     """The PNG bytes of a notebook's first figure (each notebook plots its chapter's mechanism first) and
-    its titles as :func:`benchmarks.notebook_plots.show` recorded them, or None."""
+    its titles as :func:`benchmarks.report.notebook_plots.show` recorded them, or None."""
     import base64
 
     for cell in notebook.cells:

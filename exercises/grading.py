@@ -72,7 +72,9 @@ def run_graded_tests(
         if stub is not None:
             env[STUB_ENV] = stub
         command = [sys.executable, "-m", "pytest", *map(str, files), "-m", "exercise", "-q", "-p", "no:cacheprovider",
-                   "-o", "console_output_style=classic", "--tb=native", *(f"--exercise={e.id}" for e in exercises)]
+                   "-o", "console_output_style=classic", "--tb=native", *(f"--exercise={e.id}" for e in exercises),
+                   # This repository's pytest settings put its own root first on the path; the tree goes there instead.
+                   "-o", f"pythonpath={tree}"]
         if junit is not None:
             command.append(f"--junitxml={Path(junit).resolve()}")
         command += extra_args or []

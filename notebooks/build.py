@@ -4,7 +4,7 @@
     python notebooks/build.py ch07_production   # rewrite only those named (the others keep their outputs)
     make notebooks                       # then execute them in place against the reference results
 
-Each notebook only reads results and plots them (``benchmarks/notebook_plots.py``); it measures
+Each notebook only reads results and plots them (``benchmarks/report/notebook_plots/``); it measures
 nothing and never imports Locust. Edit a notebook's cells here, not in the .ipynb, so they stay alike.
 """
 
@@ -24,14 +24,14 @@ import sys
 from pathlib import Path
 
 # Make the repository importable when the notebook runs from notebooks/ without `pip install -e .`.
-ROOT = next(p for p in (Path.cwd(), *Path.cwd().parents) if (p / "benchmarks" / "report.py").exists())
+ROOT = next(p for p in (Path.cwd(), *Path.cwd().parents) if (p / "benchmarks" / "report" / "__init__.py").exists())
 sys.path.insert(0, str(ROOT))
 
 from IPython.display import Markdown, display
 
-from benchmarks import notebook_plots as plots
+from benchmarks.report import notebook_plots as plots
 from benchmarks import report
-from benchmarks.notebook_plots import say, show'''
+from benchmarks.report.notebook_plots import say, show'''
 
 PARAMETERS = '''# Parameters. By default: the committed reference results (benchmarks/reference/cpu/).
 # To plot your own run instead, set SFS_RESULTS_DIR before starting Jupyter, e.g.
@@ -216,7 +216,7 @@ NOTEBOOKS = {
             ("## The drain timeline\n\nA real chapter 7 server under a closed-loop load; SIGTERM at 0 s. Top: "
              "the requests in flight as `/stats` counted them (what the drain waits for); middle: `/readyz`; "
              "bottom: every client request from its start to its end, coloured by what it got. Recorded by "
-             "`python -m benchmarks.drain_timeline` into `ch07/drain-timeline.json`.",
+             "`python -m benchmarks.studies.drain_timeline.drain_timeline` into `ch07/drain-timeline.json`.",
              "show(lambda: plots.plot_drain_timeline(plots.load_drain_timeline(RESULTS_DIR)))"),
             ("## The leak check's memory curve, with and without the planted leak\n\n"
              "`--leak-lesson leaky` keeps a per-request intermediate tensor when the request fails (the "
@@ -244,7 +244,7 @@ NOTEBOOKS = {
         "whole requests: a batch is held by its longest member, and nothing is sent before the end.",
         [
             ("## Time to first token, time per output token, whole request\n\n"
-             "`python -m benchmarks.streaming compare --chapters ch06 ch08` at the same number of closed-loop "
+             "`python -m benchmarks.harness.streaming compare --chapters ch06 ch08` at the same number of closed-loop "
              "users, on the `mixed` workload (new tokens 8 to 256, most answers short) and the climb's `default` "
              "(32 new tokens each). Definitions as vLLM's benchmark: TTFT from sending to the first token; TPOT "
              "= (E2E - TTFT) / (tokens - 1); E2E to the last byte.",
@@ -276,7 +276,7 @@ NOTEBOOKS = {
         "what a client sees when a replica is killed under load, how autoscaling follows a step of load, one "
         "replica against two under each router, and a simulation of 1 to 64 replicas.",
         [
-            ("## The failure drill\n\n`python -m benchmarks.scale_out_timeline drill`: two replicas, eight "
+            ("## The failure drill\n\n`python -m benchmarks.studies.scale_out_timeline.scale_out_timeline drill`: two replicas, eight "
              "closed-loop clients (every other request a stream), one replica's process SIGKILLed at 0 s. Top: "
              "Serve's count of running replicas and the replica processes alive; middle: answers per second and "
              "the P99 of each second's answers; bottom: every request, coloured by what its client got.",
@@ -284,14 +284,14 @@ NOTEBOOKS = {
             ("## The same drill with chapter 8's defaults\n\nEvery replica measures its engine and attention "
              "backends at start and compiles flex attention: the replacement takes longer to serve.",
              'show(lambda: plots.plot_failure_drill(plots.load_scale_out(RESULTS_DIR, "failure-drill-chapter-defaults.json")))'),
-            ("## Autoscaling under a step load\n\n`python -m benchmarks.scale_out_timeline autoscale`: "
+            ("## Autoscaling under a step load\n\n`python -m benchmarks.studies.scale_out_timeline.scale_out_timeline autoscale`: "
              "Serve's autoscaler on requests held per replica, with short delays, while the clients step up and down.",
              'show(lambda: plots.plot_autoscale_timeline(plots.load_scale_out(RESULTS_DIR, "autoscale-timeline.json")))'),
-            ("## One replica against two, and the routers\n\n`python -m benchmarks.scale_out_compare`: chapter 8 "
+            ("## One replica against two, and the routers\n\n`python -m benchmarks.studies.replicas_and_routers.scale_out_compare`: chapter 8 "
              "alone, one replica behind Serve's proxy, two replicas under Serve's `pow2` and under `least-tokens`, "
              "on the `mixed` workload; medians of the rounds.",
              'show(lambda: plots.plot_replicas_and_routers(plots.load_scale_out(RESULTS_DIR, "replicas-and-routers.json")))'),
-            ("## 1 to 64 replicas, simulated\n\n`python -m chapters.ch09_scale_out.simulation run`: chapter 8's scheduler "
+            ("## 1 to 64 replicas, simulated\n\n`python -m benchmarks.studies.scale_out_simulation.sweep`: chapter 8's scheduler "
              "with step times measured from its engine, as replicas behind each router, under Poisson arrivals at 85 % "
              "and 95 % of what the replicas can serve (the `mixed` workload). What it assumes is listed in the file and "
              "in the chapter's README.",
@@ -313,7 +313,7 @@ NOTEBOOKS = {
     "climb": notebook(
         "The climb: what each chapter bought",
         "Every chapter under the same load, beside the article's figures (its GPU, its model: compare the "
-        "*ratios* to ch01, not the absolute numbers). Definitions as in `benchmarks/report.py`: a chapter's QPS "
+        "*ratios* to ch01, not the absolute numbers). Definitions as in `benchmarks/report/`: a chapter's QPS "
         "is taken at saturation (its best level); the closed-loop knee is the last load before P99 doubles or "
         "QPS stops growing; the open-loop knee is the last offered rate before P99 triples, the achieved rate "
         "falls below 95 % of the arrivals, or over 1 % of them fail.",

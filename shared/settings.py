@@ -8,12 +8,15 @@ default is the same wherever it appears too, except where choosing the value is 
 lesson and that chapter measured it: chapter 6's tuned batcher, chapter 8's KV block size (its
 paged pool's option group); ``tests/test_settings.py`` holds every other knob equal.
 A value the settings refuse ends the process with a one-line message per problem and exit status 2,
-as argparse does for a malformed flag.
+as argparse does for a malformed flag; so does a value that can only be judged once the model is
+loaded (:class:`SettingsError`, raised under :func:`refused_flags_exit`).
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Literal, TypeVar
 
 import torch
@@ -66,4 +69,18 @@ def parse_settings(cls: type[SettingsT], argv: list[str] | None = None, prog: st
             where = "".join(f"--{str(part).replace('_', '-')}: " for part in problem["loc"][:1])
             message = problem["msg"].removeprefix("Value error, ")
             print(f"{prog}: error: {where}{message}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+class SettingsError(ValueError):
+    """A flag's value refused once the model is known (a pool too small for the model's context)."""
+
+
+@contextmanager
+def refused_flags_exit(prog: str) -> Iterator[None]:
+    """Turn a :class:`SettingsError` raised while building the server into one line and exit status 2."""
+    try:
+        yield
+    except SettingsError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

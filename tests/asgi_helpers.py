@@ -40,9 +40,16 @@ async def serving_gated(app, gate: threading.Event, scenario: Callable[[httpx.As
     """:func:`serving`, with ``gate`` opened however the scenario ends: a failed assertion must not leave
     a model step waiting on the gate, since the app's shutdown waits for that step."""
     async def guarded(client: httpx.AsyncClient) -> None:
+        before = asyncio.all_tasks()
         try:
             await scenario(client)
         finally:
             gate.set()
+            # What the scenario started and left running (a request in flight, a drain) ends now that the
+            # gate is open; awaited here, while the app still runs, so a failed assertion is reported at
+            # once instead of leaving those tasks to a cancellation the app shields accepted work from.
+            left = asyncio.all_tasks() - before - {asyncio.current_task()}
+            if left:
+                await asyncio.wait(left, timeout=30)
 
     await serving(app, guarded)

@@ -1,21 +1,30 @@
 """Fixtures shared by the whole suite: the default model, the oracle, and real chapter servers.
 
 Servers are started exactly as a learner starts them (``python -m chapters.<folder> --port N``) by
-:func:`benchmarks.server_process.running_server`, and stopped with SIGTERM.
+:func:`benchmarks.harness.server_process.running_server`, and stopped with SIGTERM.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 
 import pytest
 import torch
+from hypothesis import Phase, settings
 
-from benchmarks.server_process import RunningServer, running_server
+from benchmarks.harness.server_process import RunningServer, running_server
 from shared.generation import reference_greedy
 from shared.weights import LoadedModel, load_model
+
+# A failing property is reported in seconds: the suite's profile skips hypothesis's shrinking, which
+# can take minutes on a stateful test. For the smallest failing example, run the failing test again
+# with HYPOTHESIS_PROFILE=shrink.
+settings.register_profile("suite", phases=[phase for phase in Phase if phase is not Phase.shrink])
+settings.register_profile("shrink", phases=list(Phase))
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "suite"))
 
 # Graded exercises: the ``exercise`` marker, one ``chNN_k`` marker per exercise, ``--exercise ID``.
 pytest_plugins = ("exercises.pytest_plugin",)

@@ -16,30 +16,36 @@ def model_logits(model, ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([ids]), last_token_only=True)[0, -1].float()
 
 
-def brute_force_nucleus(probs: list[float], top_p: float) -> set[int]:
-    """The smallest set of most likely tokens whose mass reaches ``top_p``, by its definition."""
-    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+def brute_force_nucleus(probs: list[float] | dict[int, float], top_p: float) -> set[int]:
+    """The smallest set of most likely tokens whose mass reaches ``top_p``, by its definition.
+
+    ``probs`` is every token's probability (a list) or the allowed tokens' (a dict, token to
+    probability); only those can be chosen, so however the sum rounds (a ``top_p`` of 1 may never be
+    reached in floating point) no other token comes back.
+    """
+    if not isinstance(probs, dict):
+        probs = dict(enumerate(probs))
     kept, mass = set(), 0.0
-    for i in order:
-        kept.add(i)
-        mass += probs[i]
+    for token in sorted(probs, key=lambda t: -probs[t]):
+        kept.add(token)
+        mass += probs[token]
         if mass >= top_p:
             break
     return kept
 
 
 def reference_distribution(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Temperature, then the ``top_k`` most likely, then the nucleus of what is left; renormalised."""
+    """Temperature, then the ``top_k`` most likely, then the nucleus of what is left; renormalised.
+
+    Each filter is computed on the set the previous one allowed, never on the whole vocabulary.
+    """
     scaled = logits.double() / temperature
-    allowed = set(range(scaled.numel()))
-    if top_k:
-        allowed = set(torch.argsort(scaled, descending=True)[:top_k].tolist())
-    masked = torch.full_like(scaled, float("-inf"))
-    masked[list(allowed)] = scaled[list(allowed)]
-    nucleus = brute_force_nucleus(torch.softmax(masked, -1).tolist(), top_p)
-    kept = torch.full_like(scaled, float("-inf"))
-    kept[list(nucleus)] = scaled[list(nucleus)]
-    return torch.softmax(kept, -1).float()
+    allowed = torch.argsort(scaled, descending=True)[:top_k] if top_k else torch.arange(scaled.numel())
+    allowed_probs = torch.softmax(scaled[allowed], -1)
+    nucleus = sorted(brute_force_nucleus(dict(zip(allowed.tolist(), allowed_probs.tolist())), top_p))
+    distribution = torch.zeros_like(scaled)
+    distribution[nucleus] = torch.softmax(scaled[nucleus], -1)
+    return distribution.float()
 
 
 def reference_sampled(model, prompt: list[int], n: int, seed: int, temperature: float, top_k: int = 0,

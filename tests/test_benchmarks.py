@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.harness import chapter_is_built
-from benchmarks.profiles import get_profile
-from benchmarks.results import load_result
+from benchmarks.harness.climb import chapter_is_built
+from benchmarks.harness.profiles import get_profile
+from benchmarks.harness.results import load_result
 from chapters import CHAPTERS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -67,7 +67,7 @@ def test_smoke_profile_writes_valid_results(chapter: str, tmp_path: Path):
 
 @pytest.mark.slow
 def test_open_loop_sweep_on_the_smoke_profile(tmp_path: Path):
-    from benchmarks.results import load_open_loop_result
+    from benchmarks.harness.results import load_open_loop_result
 
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks", "openloop", "--chapters", "ch02", "--profile", "smoke", "--rates", "2,4",
@@ -109,7 +109,7 @@ def test_batch_sizes_are_recorded_from_the_server(tmp_path: Path):
 
 @pytest.mark.slow
 def test_ceiling_runs_against_the_trivial_server(tmp_path: Path):
-    from benchmarks.ceiling import run_ceiling
+    from benchmarks.harness.ceiling import run_ceiling
 
     result, path = run_ceiling(get_profile("smoke"), out_dir=tmp_path, levels=[4], progress=lambda _: None)
     assert path.name == "ceiling.json" and load_result(path).chapter == "ceiling"

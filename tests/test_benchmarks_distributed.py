@@ -1,7 +1,7 @@
 """The load generator's distributed mode (``--workers N``): a Locust master and N workers on loopback.
 
 The commands and the merge are checked by hand on made-up inputs; then real runs against the instant
-server (``benchmarks.trivial_server``): every worker's requests reach the level's figures, and no
+server (``benchmarks.harness.trivial_server``): every worker's requests reach the level's figures, and no
 Locust process outlives a level, whether it ends normally, a worker dies, or no worker ever connects.
 """
 
@@ -18,11 +18,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-import benchmarks.loadgen as loadgen
+import benchmarks.harness.loadgen as loadgen
 from benchmarks.__main__ import build_parser
-from benchmarks.ceiling import ceiling_label
-from benchmarks.harness import core_plan_for, open_loop_reproduce, reproduce_command
-from benchmarks.loadgen import (
+from benchmarks.harness.ceiling import ceiling_label
+from benchmarks.harness.climb import core_plan_for, open_loop_reproduce, reproduce_command
+from benchmarks.harness.loadgen import (
     EXPECT_WORKERS_MAX_WAIT_S,
     LevelPlan,
     OpenLevelPlan,
@@ -35,12 +35,13 @@ from benchmarks.loadgen import (
     run_level,
     run_open_level,
 )
-from benchmarks.profiles import build_profiles, get_profile
-from benchmarks.report import ceiling_line, environment_line, render_open_loop, warnings_for
-from benchmarks.results import REPO_ROOT, LoadGenerator, load_result, save_result
-from benchmarks.server_process import running_module
-from benchmarks.synthetic import SyntheticLevel, synthetic_open_loop, synthetic_result
-from benchmarks.workload import get_workload
+from benchmarks.harness.profiles import build_profiles, get_profile
+from benchmarks.harness.results import REPO_ROOT, LoadGenerator, load_result, save_result
+from benchmarks.harness.server_process import running_module
+from benchmarks.harness.workload import get_workload
+from benchmarks.report.tables import ceiling_line, environment_line, render_open_loop, warnings_for
+
+from synthetic_results import SyntheticLevel, synthetic_open_loop, synthetic_result
 
 URL = "http://127.0.0.1:9"
 
@@ -257,7 +258,7 @@ def in_window(run: dict, start: float, end: float) -> list[list]:
 @pytest.mark.slow  # real Locust master and two workers: make test-slow; the level's bookkeeping has unit tests above
 def test_two_workers_requests_all_reach_the_level(tmp_path: Path):
     plan = closed_plan(workers=2, users=4, seconds=1.5)
-    with running_module("benchmarks.trivial_server", name="instant") as server:
+    with running_module("benchmarks.harness.trivial_server", name="instant") as server:
         level = run_level(server.url, plan, server_pid=server.pid, loadgen_cores=None, work_dir=tmp_path)
     master = json.loads((tmp_path / "level-4.records.json").read_text())
     workers = [json.loads((tmp_path / f"level-4.worker{i}.records.json").read_text()) for i in (0, 1)]
@@ -276,7 +277,7 @@ def test_two_workers_requests_all_reach_the_level(tmp_path: Path):
 @pytest.mark.slow  # the rate split is checked above on every run; this is its real run
 def test_two_workers_share_the_open_loops_rate(tmp_path: Path):
     plan = open_plan(workers=2, rate=40.0, max_outstanding=32)
-    with running_module("benchmarks.trivial_server", name="instant") as server:
+    with running_module("benchmarks.harness.trivial_server", name="instant") as server:
         level = run_open_level(server.url, plan, server_pid=server.pid, loadgen_cores=None, work_dir=tmp_path)
     workers = [json.loads((tmp_path / f"rate-40.worker{i}.records.json").read_text()) for i in (0, 1)]
     assert [w["open_rate"] for w in workers] == [20.0, 20.0]
@@ -306,7 +307,7 @@ def test_a_worker_that_dies_ends_the_level_and_every_process(tmp_path: Path):
             time.sleep(0.1)
 
     killer = threading.Thread(target=kill_worker_once_running)
-    with running_module("benchmarks.trivial_server", name="instant") as server:
+    with running_module("benchmarks.harness.trivial_server", name="instant") as server:
         killer.start()
         began = time.monotonic()
         with pytest.raises(RuntimeError, match="worker 1 exited"):
@@ -322,7 +323,7 @@ def test_a_master_whose_workers_never_connect_gives_up(tmp_path: Path, monkeypat
     real_worker_command = loadgen.worker_command
     nowhere = loadgen.Distribution(workers=2, port=loadgen.free_port())  # nobody listens there
     monkeypatch.setattr(loadgen, "worker_command", lambda user_class, _distribution: real_worker_command(user_class, nowhere))
-    with running_module("benchmarks.trivial_server", name="instant") as server:
+    with running_module("benchmarks.harness.trivial_server", name="instant") as server:
         began = time.monotonic()
         with pytest.raises(RuntimeError, match="master exited"):
             run_level(server.url, closed_plan(workers=2, users=2), server_pid=server.pid, loadgen_cores=None,
@@ -346,12 +347,12 @@ def test_a_level_past_its_time_limit_stops_every_process(tmp_path: Path):
 HARNESS_FOR_A_MINUTE = """
 import sys
 from pathlib import Path
-from benchmarks.loadgen import LevelPlan, run_level
-from benchmarks.server_process import running_module
-from benchmarks.workload import get_workload
+from benchmarks.harness.loadgen import LevelPlan, run_level
+from benchmarks.harness.server_process import running_module
+from benchmarks.harness.workload import get_workload
 plan = LevelPlan(users=2, min_s=60, max_s=60, target_requests=0, workload=get_workload("default"), seed=1234,
                  vocab_size=258, request_timeout_s=10.0, workers=2)
-with running_module("benchmarks.trivial_server", name="instant") as server:
+with running_module("benchmarks.harness.trivial_server", name="instant") as server:
     run_level(server.url, plan, server_pid=server.pid, loadgen_cores=None, work_dir=Path(sys.argv[1]))
 """
 

@@ -17,9 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks import streaming
-from benchmarks.readme_blocks import prefix_caching_block, split_workload, update_readmes
-from benchmarks.streaming import (
+from benchmarks.harness import streaming
+from benchmarks.harness.streaming import (
     PREFIX_CACHING_DIR,
     PREFIX_CACHING_VARIANTS,
     Variant,
@@ -28,9 +27,12 @@ from benchmarks.streaming import (
     planned_variants,
     prefix_caching_command,
 )
-from benchmarks.synthetic import synthetic_prefix_caching_comparison
-from benchmarks.workload import PROMPT_ID_RANGE, WORKLOADS, PromptStream
+from benchmarks.harness.workload import PROMPT_ID_RANGE, WORKLOADS, PromptStream
+from benchmarks.report.readme_blocks import split_workload, update_readmes
+from benchmarks.report.streaming_blocks import prefix_caching_block
 from shared.model import PRESETS
+
+from synthetic_results import synthetic_prefix_caching_comparison
 
 SHARED = WORKLOADS["shared-prefix"]
 MIX = SHARED.shared_prefixes
@@ -107,7 +109,7 @@ def test_the_earlier_workloads_send_the_prompts_they_always_sent(workload: str, 
 
 
 def test_the_harness_warm_up_keeps_long_prompts_inside_the_vocabulary(monkeypatch):
-    from benchmarks import harness
+    from benchmarks.harness import climb as harness
 
     sent = []
 
@@ -167,7 +169,7 @@ def test_median_round_keeps_the_middle_round_whole_and_every_round_beside_it():
     ["compare", "--rounds", "0"],
 ])
 def test_compare_refuses_bad_variants_before_starting_any_server(argv, monkeypatch):
-    monkeypatch.setattr("benchmarks.server_process.running_module", lambda *a, **k: pytest.fail("a server was started"))
+    monkeypatch.setattr("benchmarks.harness.server_process.running_module", lambda *a, **k: pytest.fail("a server was started"))
     with pytest.raises(SystemExit) as exit_info:
         streaming.main(argv)
     assert exit_info.value.code == 2
@@ -184,7 +186,7 @@ def test_compare_runs_the_variants_round_by_round_and_keeps_each_ones_median(mon
     def fake_run(args, url, stream):
         return {"qps": next(qps), "url": url, "stream": stream}
 
-    monkeypatch.setattr("benchmarks.server_process.running_module", fake_server)
+    monkeypatch.setattr("benchmarks.harness.server_process.running_module", fake_server)
     monkeypatch.setattr(streaming, "_run", fake_run)
     # what each server's /stats says of its prefix cache at the end of its run (caching-off: nothing looked up)
     monkeypatch.setattr(streaming, "server_choices",
@@ -208,14 +210,14 @@ def test_compare_runs_the_variants_round_by_round_and_keeps_each_ones_median(mon
     assert document["chapters"]["caching-on"]["prefix_cache"] == {"hit_rate": 0.9}  # the kept round's server
     assert document["chapters"]["caching-off"]["prefix_cache"] == {"hit_rate": None}
     assert document["chapters"]["caching-off"]["attention"] == "flex"  # what its start-up rule chose, recorded
-    assert document["command"].startswith("python -m benchmarks.streaming compare --variant caching-on=ch08:--prefix-caching=on")
+    assert document["command"].startswith("python -m benchmarks.harness.streaming compare --variant caching-on=ch08:--prefix-caching=on")
     assert "'caching-off=ch08:--prefix-caching off'" in document["command"]  # quoted: it can be pasted back
 
 
 def test_the_documented_command_is_the_one_the_readme_block_gives():
     documented = " ".join(streaming.__doc__.replace("\\\n", " ").split())
     assert prefix_caching_command("shared-prefix") in documented
-    args = shlex.split(prefix_caching_command("mixed"))[3:]  # what follows "python -m benchmarks.streaming"
+    args = shlex.split(prefix_caching_command("mixed"))[3:]  # what follows "python -m benchmarks.harness.streaming"
     variants = [parse_variant(args[i + 1]) for i, arg in enumerate(args) if arg == "--variant"]
     assert {v.label: v.flags for v in variants} == {label: (flag,) for label, flag in PREFIX_CACHING_VARIANTS.items()}
     assert args[args.index("--out") + 1] == f"benchmarks/reference/cpu/{PREFIX_CACHING_DIR}/mixed.json"
@@ -274,7 +276,7 @@ def test_the_prefix_caching_block_shows_the_servers_hit_rate_where_recorded(tmp_
 
 
 def test_the_sampling_block_reads_every_round_and_the_median_ratio(tmp_path: Path):
-    from benchmarks.readme_blocks import sampling_block
+    from benchmarks.report.study_blocks import sampling_block
 
     assert "--sampling-rounds 5" in sampling_block(tmp_path)  # nothing recorded: the command that records it
     rounds = [{"order": ["greedy", "sampled"], "greedy": {"requests_per_s": 40.0, "median_update_ms": 0.4},
@@ -283,7 +285,7 @@ def test_the_sampling_block_reads_every_round_and_the_median_ratio(tmp_path: Pat
                "sampled": {"requests_per_s": 45.0, "median_update_ms": 1.1}}]
     (tmp_path / "ch08").mkdir()
     (tmp_path / "ch08" / "sampling.json").write_text(json.dumps({
-        "command": "python -m benchmarks.profile_ch08 --sampling-rounds 2", "steps": 50, "rounds": rounds, "median_ratio": 0.925,
+        "command": "python -m benchmarks.studies.ch08_step_profile.profile_ch08 --sampling-rounds 2", "steps": 50, "rounds": rounds, "median_ratio": 0.925,
         "greedy": "attention flex, engine eager/fp32, KV cache float32, workload default, 64 sequences, greedy",
         "sampled": "attention flex, engine eager/fp32, KV cache float32, workload default, 64 sequences, temperature 1"}))
     block = sampling_block(tmp_path)
@@ -306,8 +308,8 @@ def test_update_readmes_fills_the_prefix_caching_marker(tmp_path: Path):
 
 
 def test_the_prefix_caching_plot_draws_from_the_synthetic_files_and_names_its_command_without_them(tmp_path: Path):
-    from benchmarks.notebook_plots import MissingData, load_prefix_caching, plot_prefix_caching
-    from benchmarks.synthetic import write_synthetic_production_and_streaming
+    from benchmarks.report.notebook_plots import MissingData, load_prefix_caching, plot_prefix_caching
+    from synthetic_results import write_synthetic_production_and_streaming
 
     with pytest.raises(MissingData, match="--workload shared-prefix"):
         load_prefix_caching(tmp_path)
@@ -329,10 +331,10 @@ def test_the_streaming_client_counts_every_token_of_a_real_stream_and_every_fail
     loop's time, not an exception."""
     import asyncio
 
-    from benchmarks.server_process import free_port, running_module
+    from benchmarks.harness.server_process import free_port, running_module
 
     assert {streaming.WORKLOADS["default"](random.Random(seed))["max_new_tokens"] for seed in range(20)} == {32}
-    with running_module("benchmarks.trivial_server", name="instant") as server:
+    with running_module("benchmarks.harness.trivial_server", name="instant") as server:
         for stream in (True, False):
             records, _ = asyncio.run(streaming.run_closed_loop(server.url, 3, 0.5, "default", stream, seed=7))
             assert records and all(r.status == 200 and r.output_tokens == 32 for r in records)

@@ -14,33 +14,24 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.calibration import combined_gflops, model_flags
-from benchmarks.notebook_plots import expected_padding
-from benchmarks.report import (
-    calibration_report,
-    common_levels,
-    common_rates,
-    find_open_knee,
-    open_knee_of,
-    render_open_loop,
-    render_same_load,
-    write_report,
-)
-from benchmarks.results import (
+from benchmarks.harness.calibration import combined_gflops, model_flags
+from benchmarks.harness.results import (
     MAX_REQUEST_SAMPLES,
     REFERENCE_ROOT,
     MatmulRate,
     dumps_compact,
-    evenly_chosen,
     load_open_loop_results,
     load_result,
     load_results,
     save_result,
-    summarize_level,
-    summarize_open_level,
 )
-from benchmarks.server_stats import batch_counters, flatten_numbers, histogram_delta, server_choices
-from benchmarks.synthetic import (
+from benchmarks.harness.server_stats import batch_counters, flatten_numbers, histogram_delta, server_choices
+from benchmarks.harness.summaries import evenly_chosen, summarize_level, summarize_open_level
+from benchmarks.report import calibration_report, write_report
+from benchmarks.report.knees import find_open_knee, open_knee_of
+from benchmarks.report.notebook_plots import expected_padding
+from benchmarks.report.tables import common_levels, common_rates, render_open_loop, render_same_load
+from synthetic_results import (
     SyntheticLevel,
     rich_synthetic_result,
     synthetic_open_loop,
@@ -257,7 +248,7 @@ def test_combined_gflops_is_total_work_over_total_time():
 
 
 def test_calibration_measures_this_machine():
-    from benchmarks.calibration import calibrate
+    from benchmarks.harness.calibration import calibrate
 
     calibration = calibrate(weights="dummy", preset="tiny", device="cpu", torch_threads=1)
     assert set(calibration.fp32_gflops) == {"1", "64"} and all(v > 0 for v in calibration.fp32_gflops.values())
@@ -281,13 +272,13 @@ def test_expected_padding_by_hand():
 
 
 def test_open_loop_against_the_instant_server(tmp_path: Path):
-    from benchmarks.loadgen import OpenLevelPlan, run_open_level
-    from benchmarks.server_process import running_module
-    from benchmarks.workload import get_workload
+    from benchmarks.harness.loadgen import OpenLevelPlan, run_open_level
+    from benchmarks.harness.server_process import running_module
+    from benchmarks.harness.workload import get_workload
 
     plan = OpenLevelPlan(rate=40.0, lead_in_s=0.5, window_s=2.0, drain_s=5.0, max_outstanding=32, slo_ms=1000.0,
                          workload=get_workload("default"), seed=1234, vocab_size=258, request_timeout_s=10.0)
-    with running_module("benchmarks.trivial_server", name="instant") as server:
+    with running_module("benchmarks.harness.trivial_server", name="instant") as server:
         level = run_open_level(server.url, plan, server_pid=server.pid, loadgen_cores=None, work_dir=tmp_path)
     # 80 arrivals expected; a Poisson count lies within 5 standard deviations (about 45) of it
     assert 35 <= level.arrivals <= 125

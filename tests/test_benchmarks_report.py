@@ -14,30 +14,22 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from benchmarks.profiles import build_profiles, resolve_profile_name
-from benchmarks.readme_blocks import (
+from benchmarks.harness.profiles import build_profiles, resolve_profile_name
+from benchmarks.harness.results import BenchmarkResult, load_result, load_results, save_result
+from benchmarks.harness.summaries import summarize_level
+from benchmarks.harness.workload import WORKLOADS, PromptStream, check_response
+from benchmarks.report import write_report
+from benchmarks.report.knees import find_knee
+from benchmarks.report.readme_blocks import (
     block_keys,
     rewrite_blocks,
     split_key,
     update_readmes,
 )
-from benchmarks.reference import save_reference
-from benchmarks.report import (
-    build_rows,
-    find_knee,
-    render_table,
-    warnings_for,
-    write_report,
-)
-from benchmarks.results import (
-    BenchmarkResult,
-    load_result,
-    load_results,
-    save_result,
-    summarize_level,
-)
-from benchmarks.synthetic import SyntheticLevel, synthetic_result, write_synthetic_climb
-from benchmarks.workload import WORKLOADS, PromptStream, check_response
+from benchmarks.report.reference import save_reference
+from benchmarks.report.tables import build_rows, render_table, warnings_for
+
+from synthetic_results import SyntheticLevel, synthetic_result, write_synthetic_climb
 
 # ---------------------------------------------------------------- the level summary
 
@@ -248,7 +240,7 @@ def test_every_block_the_renderer_knows_by_name_has_a_place_in_a_readme():
     its renderer unused; every name ``render_key`` answers must still be placed in some README."""
     import inspect
 
-    from benchmarks import readme_blocks
+    from benchmarks.report import readme_blocks
 
     source = inspect.getsource(readme_blocks.render_key)
     named = set(re.findall(r'key == "([^"]+)"', source))
@@ -258,10 +250,10 @@ def test_every_block_the_renderer_knows_by_name_has_a_place_in_a_readme():
 
 
 def test_the_decode_attention_block_shows_every_candidate_and_the_compiled_step(tmp_path: Path):
-    from benchmarks.readme_blocks import decode_attention_block
+    from benchmarks.report.study_blocks import decode_attention_block
 
     timing = lambda ms: {"min_ms": ms, "median_ms": ms * 1.5}  # noqa: E731
-    run = {"workload": "default", "rounds": 3, "torch": "2.x", "cpu": "a CPU", "command": "python -m benchmarks.decode_attention",
+    run = {"workload": "default", "rounds": 3, "torch": "2.x", "cpu": "a CPU", "command": "python -m benchmarks.studies.decode_attention.decode_attention",
            "attention": {"engine": "eager/bf16", "kv_cache_dtype": "bfloat16", "rows": 64, "block_tokens": 16,
                          "context_median": 53, "context_max": 155, "bytes_read_mb": 4.5, "dense_cache_bytes_mb": 12.0,
                          "per_layer": {"flex": timing(2.5), "flex kernel": timing(1.5), "dense cache": timing(2.0),
@@ -276,15 +268,15 @@ def test_the_decode_attention_block_shows_every_candidate_and_the_compiled_step(
     assert "at 6.0 GB/s" in text and "would take 0.75 ms, against 1.50 ms" in text and "**2.0×**" in text
     assert "included, took 0.60 ms: **2.5×** faster" in text  # 1.5 / 0.6
     assert "| default | 64 | 8.00 | 10.00 | 1.25× |" in text  # 10 / 8
-    assert "`python -m benchmarks.decode_attention`" in text
+    assert "`python -m benchmarks.studies.decode_attention.decode_attention`" in text
     assert "No measurement yet" in decode_attention_block(tmp_path / "elsewhere")
 
 
 def test_a_decode_attention_folder_is_its_own_block(tmp_path: Path):
-    from benchmarks.readme_blocks import decode_attention_block
+    from benchmarks.report.study_blocks import decode_attention_block
 
     timing = {"min_ms": 2.0, "median_ms": 3.0}
-    run = {"workload": "mixed", "rounds": 3, "torch": "2.x", "cpu": "another CPU", "command": "python -m benchmarks.decode_attention",
+    run = {"workload": "mixed", "rounds": 3, "torch": "2.x", "cpu": "another CPU", "command": "python -m benchmarks.studies.decode_attention.decode_attention",
            "attention": {"engine": "eager/fp32", "kv_cache_dtype": "float32", "rows": 64, "block_tokens": 16,
                          "context_median": 98, "context_max": 305, "bytes_read_mb": 13.7,
                          "per_layer": {"kernel call": timing}, "gb_per_s_at_min": {"kernel call": 6.9}},
@@ -297,7 +289,7 @@ def test_a_decode_attention_folder_is_its_own_block(tmp_path: Path):
 
 
 def test_the_event_loop_block_shows_each_trees_medians(tmp_path: Path):
-    from benchmarks.readme_blocks import event_loop_block
+    from benchmarks.report.study_blocks import event_loop_block
 
     def tree(label: str, share: float) -> dict:
         return {"label": label, "commit": label[:3] + "1234567",
@@ -306,11 +298,11 @@ def test_the_event_loop_block_shows_each_trees_medians(tmp_path: Path):
 
     run = {"kind": "event-loop-share", "command": "python thread_share.py --trees a b", "workload": "default", "users": 64,
            "duration_s": 20.0, "streamed": False, "rounds": 3, "cpu": "a CPU", "trees": [tree("polling", 0.15), tree("waiting", 0.075)]}
-    folder = tmp_path / "ch08" / "event-loop"
-    assert "No rounds yet" in event_loop_block(tmp_path)
+    folder = tmp_path / "event_loop"
+    assert "No rounds yet" in event_loop_block(folder)
     folder.mkdir(parents=True)
     (folder / "default-whole.json").write_text(json.dumps(run))
-    text = event_loop_block(tmp_path)
+    text = event_loop_block(folder)
     assert "| default | whole | 64 | 3 | polling (`pol1234567`) | 50.0 | 1,500 | 15.0% | — | 3.00 |" in text
     assert "| default | whole | 64 | 3 | waiting (`wai1234567`) | 50.0 | 1,500 | 7.5% | — | 1.50 |" in text
     assert "`python thread_share.py --trees a b`" in text and "a CPU" in text
@@ -318,19 +310,19 @@ def test_the_event_loop_block_shows_each_trees_medians(tmp_path: Path):
     both = {**run, "command": "python thread_share.py --trees a --both", "workload": "mixed", "streamed": None,
             "trees": [{**tree("head", 0.12), "streamed": True}, {**tree("head", 0.05), "streamed": False}]}
     (folder / "mixed-both.json").write_text(json.dumps(both))
-    text = event_loop_block(tmp_path)
+    text = event_loop_block(folder)
     assert "| mixed | streamed | 64 | 3 | head (`hea1234567`) | 50.0 | 1,500 | 12.0% | — | 2.40 |" in text
     assert "| mixed | whole | 64 | 3 | head (`hea1234567`) | 50.0 | 1,500 | 5.0% | — | 1.00 |" in text
     # A tree run with flags of its own, and the loop's kernel time split out.
     flagged = {**both, "trees": [{**tree("head", 0.12), "streamed": True, "server_args": "--stream-interval=16",
                                   "median": {**tree("head", 0.12)["median"], "event_loop_kernel_share": 0.03}}]}
     (folder / "mixed-flagged.json").write_text(json.dumps(flagged))
-    text = event_loop_block(tmp_path)
+    text = event_loop_block(folder)
     assert "| mixed | streamed | 64 | 3 | head (`hea1234567`) `--stream-interval=16` | 50.0 | 1,500 | 12.0% | 3.0% | 2.40 |" in text
 
 
 def test_a_side_by_side_folder_shows_each_variant_against_chapter_6(tmp_path: Path):
-    from benchmarks.readme_blocks import side_by_side_block
+    from benchmarks.report.streaming_blocks import side_by_side_block
 
     def figures(qps: float, p99: float) -> dict:
         return {"qps": qps, "e2e_ms": {"p99": p99}, "ttft_ms": {"p99": 100.0}, "errors": {}}
@@ -351,7 +343,7 @@ def test_a_side_by_side_folder_shows_each_variant_against_chapter_6(tmp_path: Pa
 
 
 def test_the_targets_block_reads_each_target_against_its_rounds_and_says_which_are_met(tmp_path: Path):
-    from benchmarks.readme_blocks import CH08_TARGET_CLIMB, CH08_TARGET_PROFILES, ch08_targets_block
+    from benchmarks.report.streaming_blocks import CH08_TARGET_CLIMB, CH08_TARGET_PROFILES, ch08_targets_block
 
     def figures(qps: float, p99: float, ttft: float = 100.0) -> dict:
         return {"qps": qps, "e2e_ms": {"p99": p99}, "ttft_ms": {"p99": ttft}, "errors": {}, "engine": {"precision": "fp32"}}
@@ -393,7 +385,7 @@ def test_the_targets_block_reads_each_target_against_its_rounds_and_says_which_a
 
 
 def test_the_stream_interval_block_shows_each_setting_against_chapter_6_with_its_token_gaps(tmp_path: Path):
-    from benchmarks.readme_blocks import STREAM_INTERVAL_DIR, stream_interval_block
+    from benchmarks.report.streaming_blocks import STREAM_INTERVAL_DIR, stream_interval_block
 
     def figures(qps: float, itl: tuple[float, float] | None) -> dict:
         return {"qps": qps, "e2e_ms": {"p99": 1000.0 / qps * 10}, "ttft_ms": {"p99": 100.0}, "errors": {},
@@ -418,7 +410,7 @@ def test_the_stream_interval_block_shows_each_setting_against_chapter_6_with_its
 
 
 def test_the_step_profile_table_names_each_files_block_size_and_older_files_the_default_of_their_day(tmp_path: Path):
-    from benchmarks.readme_blocks import packed_step_profile_block
+    from benchmarks.report.study_blocks import packed_step_profile_block
 
     folder = tmp_path / "ch08"
     folder.mkdir()
@@ -435,7 +427,7 @@ def test_the_step_profile_table_names_each_files_block_size_and_older_files_the_
 
 
 def test_a_partial_climb_shows_its_chapters_and_the_last_ones_ratios(tmp_path: Path):
-    from benchmarks.readme_blocks import partial_climb_block
+    from benchmarks.report.climb_blocks import partial_climb_block
 
     write_synthetic_climb(tmp_path)
     text = partial_climb_block(tmp_path, "`the command`", tmp_path / "README.md")
@@ -514,7 +506,7 @@ def test_a_client_that_measures_several_servers_pins_each_away_from_itself(monke
     cores again: the plan must still be the machine's, not one read from the client's own affinity."""
     import os
 
-    from benchmarks import streaming
+    from benchmarks.harness import streaming
 
     affinity = {0, 1}  # a two-core machine, whatever this one is; the real process is never pinned
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(affinity), raising=False)
@@ -552,9 +544,9 @@ def test_check_response(status, body, verdict):
 def test_the_harness_never_imports_locust():
     """Locust patches the interpreter with gevent on import: the harness must only start it as a process."""
     code = (
-        "import sys, benchmarks.__main__, benchmarks.harness, benchmarks.ceiling, benchmarks.report, "
-        "benchmarks.readme_blocks, benchmarks.reference, benchmarks.notebook_plots, benchmarks.notebooks, "
-        "benchmarks.calibration, benchmarks.server_stats; print('locust' in sys.modules, 'gevent' in sys.modules)"
+        "import sys, benchmarks.__main__, benchmarks.harness.climb, benchmarks.harness.ceiling, benchmarks.report, "
+        "benchmarks.report.readme_blocks, benchmarks.report.reference, benchmarks.report.notebook_plots, benchmarks.notebooks, "
+        "benchmarks.harness.calibration, benchmarks.harness.server_stats; print('locust' in sys.modules, 'gevent' in sys.modules)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           cwd=Path(__file__).resolve().parent.parent)
@@ -562,8 +554,8 @@ def test_the_harness_never_imports_locust():
 
 
 def test_median_run_keeps_the_middle_run_whole(tmp_path):
-    from benchmarks.harness import median_run
-    from benchmarks.results import save_result
+    from benchmarks.harness.climb import median_run
+    from benchmarks.harness.results import save_result
 
     paths = []
     for number, qps in enumerate((30.0, 10.0, 20.0)):
@@ -575,8 +567,8 @@ def test_median_run_keeps_the_middle_run_whole(tmp_path):
 
 
 def test_the_machines_block_compares_two_reference_climbs(tmp_path: Path):
-    from benchmarks.readme_blocks import machines_block
-    from benchmarks.results import load_results
+    from benchmarks.report.climb_blocks import machines_block
+    from benchmarks.harness.results import load_results
 
     here, previous = tmp_path / "here", tmp_path / "previous"
     write_synthetic_climb(here)
@@ -594,8 +586,8 @@ def test_the_machines_block_compares_two_reference_climbs(tmp_path: Path):
 def test_the_streaming_block_is_written_from_the_comparison_files(tmp_path: Path):
     import json
 
-    from benchmarks.readme_blocks import streaming_block
-    from benchmarks.synthetic import write_synthetic_production_and_streaming
+    from benchmarks.report.streaming_blocks import streaming_block
+    from synthetic_results import write_synthetic_production_and_streaming
 
     assert streaming_block(tmp_path).startswith("*No streaming comparison yet")
     write_synthetic_production_and_streaming(tmp_path)
@@ -615,8 +607,9 @@ def test_the_streaming_block_is_written_from_the_comparison_files(tmp_path: Path
 
 def test_a_labelled_run_gets_its_own_bar_in_its_chapter_on_the_climb_chart(tmp_path: Path):
     """A learner's ``--label ch01-mine`` run shows as a bar beside the chapter it reimplements."""
-    from benchmarks.report import build_rows, build_variant_rows, plot_climb
-    from benchmarks.results import load_results
+    from benchmarks.report.plots import plot_climb
+    from benchmarks.report.tables import build_rows, build_variant_rows
+    from benchmarks.harness.results import load_results
 
     write_synthetic_climb(tmp_path)
     results = load_results(tmp_path, "default")
@@ -627,3 +620,24 @@ def test_a_labelled_run_gets_its_own_bar_in_its_chapter_on_the_climb_chart(tmp_p
     assert "ch01-workers" in bar_labels, bar_labels
     heights = {round(patch.get_height(), 3) for patch in qps_axes.patches}
     assert round(results["ch01-workers"].saturation().qps, 3) in heights
+
+
+# ---------------------------------------------------------------- the packages of benchmarks/
+
+
+def test_benchmarks_packages_depend_one_way():
+    """The harness measures and imports neither the report nor a study; the report reads results and
+    imports no study (a study's file format it reads lives in the report); a study may use both."""
+    import ast
+
+    from shared.paths import REPO_ROOT
+
+    forbidden = {"harness": ("benchmarks.report", "benchmarks.studies"), "report": ("benchmarks.studies",)}
+    offenders = []
+    for package, names in forbidden.items():
+        for path in sorted((REPO_ROOT / "benchmarks" / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                modules = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                           else [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+                offenders += [f"{path.relative_to(REPO_ROOT)}: {m}" for m in modules if m.startswith(names)]
+    assert not offenders

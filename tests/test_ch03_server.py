@@ -78,7 +78,7 @@ def test_sigterm_finishes_the_queued_requests_and_exits_cleanly() -> None:
 
     import requests
 
-    from benchmarks.server_process import running_server, stop
+    from benchmarks.harness.server_process import running_server, stop
 
     n_requests = 12
     with running_server("ch03", ["--weights", "dummy", "--device", "cpu", "--min-batch", "4", "--max-batch", "4"]) as server:

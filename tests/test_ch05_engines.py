@@ -22,7 +22,7 @@ import torch
 
 from chapters.ch03_dynamic_batching.batched_generation import generate_batch
 from chapters.ch04_memory_pool.memory_pool import BatchCacheLease, KVMemoryPool
-from benchmarks import tradeoffs
+from benchmarks.harness import tradeoffs
 from chapters.ch05_inference_engine.bf16_matmul import Bf16MatmulLinear, crossover_from_timings
 from chapters.ch05_inference_engine.engine import ENGINES, PRECISIONS, Engine, EngineUnavailable
 from chapters.ch05_inference_engine.engines import build_engine, pick, unavailable_reason

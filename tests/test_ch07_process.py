@@ -15,7 +15,7 @@ import pytest
 import requests
 import yaml
 
-from benchmarks.server_process import REPO_ROOT, free_port
+from benchmarks.harness.server_process import REPO_ROOT, free_port
 from chapters.ch07_production.metrics import STAGES
 from chapters.ch07_production.server import ProductionSettings
 

@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.server_process import RunningServer, running_server
+from benchmarks.harness.server_process import RunningServer, running_server
 from chapters.ch06_tuned_batching.server import build_backend
 from chapters.ch07_production.leakcheck import run_leakcheck
 from chapters.ch07_production.server import ProductionSettings, build_app

@@ -7,16 +7,39 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from chapters.ch08_continuous_batching.block_manager import BlockManager, OutOfBlocks
+from chapters.ch08_continuous_batching.block_manager import BlockManager, CachedPrefix, OutOfBlocks
 
 TOTAL, SIZE = 12, 4
+
+
+def assert_consistent(manager: BlockManager) -> None:
+    """Raise AssertionError if an invariant of :class:`BlockManager`'s docstring does not hold (every ch08 test's ledger check)."""
+    holders = [0] * manager.total_blocks
+    for table in manager.tables.values():
+        for block in table:
+            holders[block] += 1
+    for block in range(manager.total_blocks):
+        assert holders[block] == manager.ref_counts[block], f"block {block}: count {manager.ref_counts[block]}, held by {holders[block]}"
+    assert set(manager._free) == {b for b in range(manager.total_blocks) if holders[b] == 0}, "free queue != unheld blocks"
+    assert manager.free_blocks + manager.used_blocks == manager.total_blocks
+    # the identity index and the blocks agree, both ways
+    for digest, block in manager._block_of_hash.items():
+        assert manager._hash_of_block[block] == digest, f"block {block} is indexed under an identity it does not have"
+    named = [b for b in range(manager.total_blocks) if manager._hash_of_block[b] is not None]
+    assert len(named) == len(manager._block_of_hash), "a block has an identity the index does not list"
+    assert manager.prefix_caching or not named, "an identity without prefix caching"
+    assert set(manager._chains) == set(manager.tables), "a chain without a table, or a table without a chain"
+    for seq_id, chain in manager._chains.items():
+        table = manager.tables[seq_id]
+        assert len(chain) <= len(table), f"{seq_id!r}: identities beyond its blocks"
+        for index, digest in enumerate(chain):
+            held = manager._hash_of_block[table[index]]
+            assert held is None or held == digest, f"{seq_id!r}: block {table[index]} at {index} holds other tokens than its own"
 
 operations = st.lists(
     st.one_of(
         st.tuples(st.just("allocate"), st.integers(0, 5), st.integers(0, 30)),
         st.tuples(st.just("grow"), st.integers(0, 5), st.integers(0, 30)),
-        st.tuples(st.just("fork"), st.integers(0, 5), st.integers(0, 5)),
-        st.tuples(st.just("write_last"), st.integers(0, 5), st.just(0)),
         st.tuples(st.just("free"), st.integers(0, 5), st.just(0)),
     ),
     max_size=60,
@@ -39,22 +62,12 @@ def test_any_sequence_of_operations_keeps_free_list_and_reference_counts_consist
             elif op == "grow" and a in manager.tables:
                 manager.grow_to(a, b)
                 assert len(manager.tables[a]) * SIZE >= b
-            elif op == "fork" and a in manager.tables and b not in manager.tables:
-                manager.fork(a, b)
-                assert manager.tables[a] == manager.tables[b]
-                assert manager.free_blocks == free_before  # sharing takes no block
-            elif op == "write_last" and a in manager.tables:
-                copy = manager.make_last_block_writable(a)
-                if manager.tables[a]:
-                    assert manager.ref_counts[manager.tables[a][-1]] == 1
-                if copy is not None:
-                    assert copy[0] != copy[1]
             elif op == "free" and a in manager.tables:
                 manager.free(a)
                 assert a not in manager.tables
         except OutOfBlocks:
             assert manager.free_blocks == free_before  # all or nothing
-        manager.check_consistent()
+        assert_consistent(manager)
     for seq_id in list(manager.tables):
         manager.free(seq_id)
     assert manager.free_blocks == TOTAL and all(count == 0 for count in manager.ref_counts)
@@ -63,11 +76,12 @@ def test_any_sequence_of_operations_keeps_free_list_and_reference_counts_consist
 @pytest.mark.exercise("ch08.1")
 def test_a_shared_block_returns_to_the_free_list_only_when_its_last_holder_frees_it() -> None:
     manager = BlockManager(4, 2)
-    manager.allocate("parent", 3)  # 2 blocks
-    manager.fork("parent", "child")
-    assert manager.free("parent") == 0 and "parent" not in manager.tables
+    manager.allocate("first", 3)  # 2 blocks
+    shared = CachedPrefix(blocks=(0,), hashes=(b"0",), queried_tokens=3, block_tokens=2)  # as prefix caching finds it
+    manager.allocate("second", 3, shared)  # first's first block, shared, and one of its own
+    assert manager.free("first") == 1 and "first" not in manager.tables, "the shared block stays"
     assert manager.free_blocks == 2
-    assert manager.free("child") == 2
+    assert manager.free("second") == 2
     assert manager.free_blocks == 4
 
 
@@ -81,19 +95,7 @@ def test_allocation_is_all_or_nothing_when_short() -> None:
     with pytest.raises(OutOfBlocks):
         manager.grow_to("a", 16)
     assert len(manager.tables["a"]) == 2
-    manager.check_consistent()
-
-
-@pytest.mark.exercise("ch08.1")
-def test_copy_on_write_gives_the_writer_a_private_last_block() -> None:
-    manager = BlockManager(4, 2)
-    manager.allocate("a", 4)
-    manager.fork("a", "b")
-    shared = manager.tables["a"][-1]
-    source, destination = manager.make_last_block_writable("b")
-    assert source == shared and manager.tables["b"][-1] == destination != shared
-    assert manager.ref_counts[shared] == 1 and manager.make_last_block_writable("b") is None
-    manager.check_consistent()
+    assert_consistent(manager)
 
 
 # -- prefix caching: the same ledger, plus blocks found by their tokens ----------------------------
@@ -125,17 +127,12 @@ class CachingModel:
         """Compute ``n`` more positions of ``seq`` (a decode appends a token first), as a step would, then register."""
         manager, tokens = self.manager, self.tokens[seq]
         if self.computed[seq] == len(tokens):
-            tokens.append((len(tokens) + seq) % 3)  # a decoded token (forks part ways); few values make equal blocks likely
+            tokens.append((len(tokens) + seq) % 3)  # a decoded token; few values make equal blocks likely
         end = min(self.computed[seq] + n, len(tokens))
         manager.grow_to(seq, end)
         for position in range(self.computed[seq], end):
             table = manager.tables[seq]
             block = table[position // SIZE]
-            if manager.ref_counts[block] > 1:  # shared by a fork: copy on write, only ever the last block
-                if block != table[-1]:
-                    break
-                source, block = manager.make_last_block_writable(seq)
-                self.slots[block] = dict(self.slots[source])
             assert manager.ref_counts[block] == 1, f"{seq} writes position {position} into a shared block"
             self.slots[block][position % SIZE] = tuple(tokens[: position + 1])
             self.computed[seq] = position + 1
@@ -143,9 +140,9 @@ class CachingModel:
 
 
 class PrefixCachingMachine(RuleBasedStateMachine):
-    """Any interleaving of admit-with-prefix / compute (grow, write, register) / fork / free / lookup.
+    """Any interleaving of admit-with-prefix / compute (grow, write, register) / free / lookup.
 
-    After every rule: the ledger is consistent (:meth:`BlockManager.check_consistent`), and every
+    After every rule: the ledger is consistent (:func:`assert_consistent`), and every
     cached lookup returned blocks computed from exactly the query's tokens.
     """
 
@@ -193,17 +190,6 @@ class PrefixCachingMachine(RuleBasedStateMachine):
             assert self.snapshot()[:2] == before[:2], "all or nothing"
 
     @precondition(lambda self: self.manager.tables)
-    @rule(data=st.data(), child=st.integers(0, 4))
-    def fork(self, data: st.DataObject, child: int) -> None:
-        parent = data.draw(st.sampled_from(sorted(self.manager.tables)))
-        if child in self.manager.tables:
-            return
-        free_before = self.manager.free_blocks
-        self.manager.fork(parent, child)
-        assert self.manager.free_blocks == free_before
-        self.model.tokens[child], self.model.computed[child] = list(self.model.tokens[parent]), self.model.computed[parent]
-
-    @precondition(lambda self: self.manager.tables)
     @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:
         manager = self.manager
@@ -220,14 +206,14 @@ class PrefixCachingMachine(RuleBasedStateMachine):
 
     @invariant()
     def consistent(self) -> None:
-        self.manager.check_consistent()
+        assert_consistent(self.manager)
         assert self.manager.hits_tokens <= self.manager.lookups_tokens
 
     def teardown(self) -> None:
         manager = self.manager
         for seq_id in list(manager.tables):
             manager.free(seq_id)
-        manager.check_consistent()
+        assert_consistent(manager)
         assert manager.free_blocks == TOTAL and all(count == 0 for count in manager.ref_counts)
         for which in range(len(PREFIXES)):  # what is still cached after everybody left is still right
             query = PREFIXES[which] + [9]

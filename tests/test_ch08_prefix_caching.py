@@ -18,14 +18,15 @@ import random
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from test_ch08_block_manager import assert_consistent
 from test_ch08_scheduler import FAKE_CONFIG, FakePackedModel, FakeRunner, fake_oracle, fake_setup, prompt, run_and_check
 from test_ch08_server import run, settings
 
 from chapters.ch03_dynamic_batching.step_loop import run_step
 from chapters.ch04_memory_pool.memory_pool import KVMemoryPool
+from chapters.ch08_continuous_batching.attention_choice import build_attention
 from chapters.ch08_continuous_batching.block_manager import BlockManager, OutOfBlocks
 from chapters.ch08_continuous_batching.model_runner import ModelRunner
-from chapters.ch08_continuous_batching.paged_attention import build_attention
 from chapters.ch08_continuous_batching.paged_cache import PagedKVStore
 from chapters.ch08_continuous_batching.scheduler import ContinuousScheduler, SchedulerConfig, Sequence, Status
 from chapters.ch08_continuous_batching.server import ContinuousSettings, build_app
@@ -54,7 +55,7 @@ def test_a_finished_sequences_full_blocks_are_found_by_the_next_one_with_the_sam
     assert (manager.lookups_tokens, manager.hits_tokens) == (5 + 6, 4)
     held = manager.allocate("c", 5, manager.cached_prefix([1, 2, 3, 4, 7]))  # a hit on blocks b holds
     assert held[:2] == first[:2] and manager.ref_counts[first[0]] == 2
-    manager.check_consistent()
+    assert_consistent(manager)
 
 
 def test_only_full_blocks_before_the_last_token_are_reused() -> None:
@@ -89,7 +90,7 @@ def test_free_cached_blocks_are_evicted_least_recently_released_first_and_a_hit_
     assert manager.allocate("z", 2) == [b[0]] and manager.evictions == 1, "b's cached block is the least recently released"
     assert manager.cached_prefix([3, 4, 9]).tokens == 0
     assert manager.cached_prefix([1, 2, 9]).tokens == 2, "the block a hit refreshed outlived one released after it first"
-    manager.check_consistent()
+    assert_consistent(manager)
 
 
 def test_two_equal_blocks_computed_side_by_side_keep_the_first_identity() -> None:
@@ -103,7 +104,7 @@ def test_two_equal_blocks_computed_side_by_side_keep_the_first_identity() -> Non
     manager.free("a")
     manager.free("b")
     assert manager.cached_prefix([1, 2, 0]).blocks == (first,) and second != first
-    manager.check_consistent()
+    assert_consistent(manager)
 
 
 def test_a_block_is_registered_only_once_its_last_position_is_computed() -> None:
@@ -114,7 +115,7 @@ def test_a_block_is_registered_only_once_its_last_position_is_computed() -> None
     assert manager.cache_full_blocks("a", tokens, 4) == 1
     assert manager.cache_full_blocks("a", tokens, 7) == 0
     assert manager.cache_full_blocks("a", tokens, 10) == 1 and manager.cached_blocks == 2
-    manager.check_consistent()
+    assert_consistent(manager)
 
 
 def test_allocation_with_a_prefix_is_all_or_nothing() -> None:
@@ -128,7 +129,7 @@ def test_allocation_with_a_prefix_is_all_or_nothing() -> None:
     assert "b" not in manager.tables and manager.free_blocks == 3 and manager.ref_counts[a[0]] == 0
     assert (manager.lookups_tokens, manager.hits_tokens) == (4, 0), "a refused allocation counts no lookup"
     assert manager.cached_prefix([1, 2, 3, 4, 5]).tokens == 4
-    manager.check_consistent()
+    assert_consistent(manager)
 
 
 def test_without_prefix_caching_nothing_is_hashed_or_shared() -> None:
@@ -136,7 +137,7 @@ def test_without_prefix_caching_nothing_is_hashed_or_shared() -> None:
     computed(manager, "a", [1, 2, 3, 4, 5])
     manager.free("a")
     assert manager.cached_prefix([1, 2, 3, 4, 5]).blocks == () and manager.cached_blocks == 0
-    manager.check_consistent()
+    assert_consistent(manager)
 
 
 # -- the scheduler, fake model --------------------------------------------------------------------
@@ -168,7 +169,7 @@ def test_a_second_request_with_the_same_prompt_computes_only_what_is_not_cached(
     figures = scheduler.describe()["prefix_cache"]
     assert (figures["lookups_tokens"], figures["hits_tokens"]) == (2 * length, reused)
     assert figures["hit_rate"] == round(reused / (2 * length), 4) and figures["cached_blocks"] >= reused // 4
-    scheduler.manager.check_consistent()
+    assert_consistent(scheduler.manager)
 
 
 def test_caching_off_by_default_recomputes_the_whole_prompt() -> None:
@@ -227,7 +228,7 @@ def test_shared_prefixes_under_preemption_and_abort_keep_the_ledger_right_and_fr
         if steps == 12:
             assert scheduler.abort(dropped) and dropped.status is Status.ABORTED
         run_step(scheduler, model)
-        scheduler.manager.check_consistent()
+        assert_consistent(scheduler.manager)
         steps += 1
     kept = [s for s in seqs if s is not dropped]
     for seq in kept:
@@ -235,7 +236,7 @@ def test_shared_prefixes_under_preemption_and_abort_keep_the_ledger_right_and_fr
     manager = scheduler.manager
     assert scheduler.stats.preemptions > 0 and manager.hits_tokens >= 2 * 12 and manager.evictions > 0
     assert manager.free_blocks == manager.total_blocks and not manager.tables and all(c == 0 for c in manager.ref_counts)
-    manager.check_consistent()
+    assert_consistent(manager)
 
 
 # -- the real model, FP32: exactly the oracle's tokens with caching on ------------------------------
@@ -287,7 +288,7 @@ def test_concurrent_requests_sharing_long_prefixes_get_the_oracles_tokens(defaul
     for seq in seqs[3:]:
         scheduler.add(seq)
     while run_step(scheduler, runner):
-        manager.check_consistent()
+        assert_consistent(manager)
     for seq, (p, n) in zip(seqs, requests):
         assert seq.output_ids == oracle(p, n), f"prompt of {len(p)}, {n} new tokens, {seq.preemptions} preemptions"
     assert sum(found for seq, preempted, found in admissions if not preempted and seq not in seqs[:3]) >= 4 * 32, (

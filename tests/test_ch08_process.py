@@ -17,7 +17,7 @@ import psutil
 import pytest
 import requests
 
-from benchmarks.server_process import running_module
+from benchmarks.harness.server_process import running_module
 
 MODULE = "chapters.ch08_continuous_batching"
 BASE_ARGS = ["--device", "cpu", "--precision", "fp32", "--attention", "gather", "--max-num-seqs", "64",

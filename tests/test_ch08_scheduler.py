@@ -12,14 +12,15 @@ import random
 
 import pytest
 import torch
+from test_ch08_block_manager import assert_consistent
 from torch import Tensor
 
 from chapters.ch03_dynamic_batching.step_loop import run_step, run_until_done
 from chapters.ch04_memory_pool.memory_pool import KVMemoryPool
 from chapters.ch05_inference_engine.engine import build_eager, multiplies_in_bf16
 from chapters.ch05_inference_engine.engines import ACCURACY_TOLERANCE, PROBE_PAIRS
+from chapters.ch08_continuous_batching.attention_choice import build_attention
 from chapters.ch08_continuous_batching.model_runner import ModelRunner, packed_model
-from chapters.ch08_continuous_batching.paged_attention import build_attention
 from chapters.ch08_continuous_batching.paged_cache import PagedKVStore, kv_cache_dtype
 from chapters.ch08_continuous_batching.scheduler import ContinuousScheduler, SchedulerConfig, Sequence, Status
 from shared.corpus import HELD_OUT_PAIRS, evaluate, reversed_sum
@@ -101,7 +102,7 @@ def run_and_check(scheduler: ContinuousScheduler, model: FakeRunner, seqs: list[
         scheduler.add(seq)
     while run_step(scheduler, model):
         assert len(scheduler.running) <= scheduler.config.max_num_seqs
-        scheduler.manager.check_consistent()
+        assert_consistent(scheduler.manager)
     for seq in seqs:
         assert seq.status is Status.FINISHED
         assert seq.output_ids == fake_oracle(seq.prompt_ids, seq.max_new_tokens)
@@ -266,14 +267,14 @@ def test_the_kernel_reads_the_models_own_views_and_writes_the_new_keys_where_gat
     """Decode rows over scattered blocks: the kernel, given q, k, v as the model's ``c_attn`` leaves them
     (strided views of one (N, 3W) tensor), writes the pool exactly as ``gather`` does and attends as it
     does; given contiguous copies or bf16 inputs it takes its copying path to the same result."""
-    from chapters.ch08_continuous_batching.paged_attention import scattered_decode_inputs
+    from chapters.ch08_continuous_batching.attention_choice import scattered_decode_inputs
 
     config = ModelConfig(vocab_size=16, n_ctx=64, n_embd=32, n_layer=1, n_head=2)
     rows, size, rng = 5, 4, random.Random(3)
     store = PagedKVStore(KVMemoryPool(config, 64 * 4, block_tokens=size, dtype=cache_dtype))
     for kv in (0, 1):
         store.plane(0, kv).copy_(torch.randn(store.plane(0, kv).shape))
-    inputs = scattered_decode_inputs(store, [("row", row) for row in range(rows)], [rng.randint(1, 30) for _ in range(rows)], rng)
+    inputs, _ = scattered_decode_inputs(store, [rng.randint(1, 30) for _ in range(rows)], rng)
     fused = torch.randn(1, rows, 3 * config.n_embd)  # what c_attn returns, split and viewed as the model does
     q, k, v = (t.view(1, rows, config.n_head, -1).transpose(1, 2) for t in fused.split(config.n_embd, dim=2))
     before = store.pool.storage.clone()
@@ -289,7 +290,7 @@ def test_the_kernel_reads_the_models_own_views_and_writes_the_new_keys_where_gat
 
 
 def test_the_kernel_backend_says_why_it_cannot_run_without_a_compiler_or_when_the_build_fails(tmp_path) -> None:
-    from chapters.ch08_continuous_batching.paged_attention import KernelUnavailable, build_kernel
+    from chapters.ch08_continuous_batching.attention_kernel import KernelUnavailable, build_kernel
 
     with pytest.raises(KernelUnavailable, match="C compiler"):
         build_kernel(compiler=str(tmp_path / "no-such-cc"), cache=tmp_path)
@@ -301,13 +302,13 @@ def test_the_kernel_backend_says_why_it_cannot_run_without_a_compiler_or_when_th
 
 
 def test_the_attention_rule_times_the_backends_in_turns_and_serves_the_fastest_only_past_its_margin(monkeypatch) -> None:
-    from chapters.ch08_continuous_batching import paged_attention
+    from chapters.ch08_continuous_batching import attention_choice
 
     scheduler, runner = fake_setup(max_num_seqs=4, budget=16, blocks=64)
     store, order = runner.store, []
 
     def recording(label: str) -> type:
-        class Recording(paged_attention.GatherAttention):
+        class Recording(attention_choice.GatherAttention):
             def bind(self, inputs):
                 order.append(label)
                 return super().bind(inputs)
@@ -315,22 +316,34 @@ def test_the_attention_rule_times_the_backends_in_turns_and_serves_the_fastest_o
         return Recording
 
     backends = {"a": recording("a")(store), "b": recording("b")(store)}
-    timings = paged_attention.measure_decode_steps(runner.model, store, backends, sequences=2, repeats=3)
+    timings = attention_choice.measure_decode_steps(runner.model, store, backends, sequences=2, repeats=3)
     assert order == ["a", "b"] * 4  # one unmeasured step each, then three rounds taking turns
     assert set(timings) == {"a", "b"} and store.manager.free_blocks == store.manager.total_blocks
 
-    class Broken(paged_attention.GatherAttention):
+    class FailsToCompile(attention_choice.GatherAttention):
+        def bind(self, inputs):
+            raise RuntimeError("C++ compile error\n(the compiler's whole output)")
+
+    with_failing = {"gather": attention_choice.GatherAttention(store), "flex": FailsToCompile(store)}
+    with pytest.raises(RuntimeError):  # named by the user, or by the warm-up: its failure is the start's
+        attention_choice.measure_decode_steps(runner.model, store, with_failing, sequences=2, repeats=1)
+    assert store.manager.free_blocks == store.manager.total_blocks
+    timings = attention_choice.measure_decode_steps(runner.model, store, with_failing, sequences=2, repeats=1,
+                                                    leave_out_failing=True)
+    assert set(timings) == {"gather"} and store.manager.free_blocks == store.manager.total_blocks
+
+    class Broken(attention_choice.GatherAttention):
         def __init__(self, store):
             raise ValueError("not on this pool")
 
-    monkeypatch.setattr(paged_attention, "BACKENDS", {"gather": paged_attention.GatherAttention, "near": recording("near"),
+    monkeypatch.setattr(attention_choice, "BACKENDS", {"gather": attention_choice.GatherAttention, "near": recording("near"),
                                                       "fast": recording("fast"), "broken": Broken})
     measured = {}
-    monkeypatch.setattr(paged_attention, "measure_decode_steps", lambda model, store, candidates, rows: measured[frozenset(candidates)])
+    monkeypatch.setattr(attention_choice, "measure_decode_steps", lambda model, store, candidates, rows, **_: measured[frozenset(candidates)])
     measured[frozenset({"gather", "near", "fast"})] = {"gather": 1.0, "near": 0.95, "fast": 0.5}
-    assert type(paged_attention._by_the_rule(store, runner.model, 4)).__name__ == "Recording_fast"  # 2x gather
+    assert type(attention_choice._by_the_rule(store, runner.model, 4)).__name__ == "Recording_fast"  # 2x gather
     measured[frozenset({"gather", "near", "fast"})] = {"gather": 1.0, "near": 0.95, "fast": 0.93}
-    assert type(paged_attention._by_the_rule(store, runner.model, 4)) is paged_attention.GatherAttention  # within 10 %
+    assert type(attention_choice._by_the_rule(store, runner.model, 4)) is attention_choice.GatherAttention  # within 10 %
 
 
 def addition_accuracy(model, store: PagedKVStore, attention: str, pairs: list[tuple[int, int]]) -> float:

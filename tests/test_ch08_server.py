@@ -24,7 +24,7 @@ from sampling_oracle import reference_sampled
 from chapters.ch07_production.server import ProductionSettings
 from chapters.ch07_production.server import build_app as build_chapter7
 from chapters.ch08_continuous_batching.server import ContinuousSettings, build_app
-from chapters.ch08_continuous_batching.step_thread import StepClock, StepRecord
+from chapters.ch08_continuous_batching.continuous_metrics import StepClock, StepRecord
 from chapters.ch08_continuous_batching.streaming import write_sse_stream
 from shared.schemas import ValidRequest
 

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from chapters.ch08_continuous_batching.server import ContinuousSettings, build_app
 from chapters.ch08_continuous_batching.scheduler import Sequence
-from chapters.ch08_continuous_batching.step_thread import Finished, RequestStream, _StepListener
+from chapters.ch08_continuous_batching.request_stream import Finished, RequestStream, StreamListener
 from shared.schemas import ApiError
 
 # One step of the model below: each running sequence either gets a token, finishes with one, or is
@@ -36,7 +36,7 @@ steps = st.lists(st.lists(st.tuples(st.integers(0, 3), st.sampled_from(["token",
 @given(st.integers(1, 5), steps)
 @settings(max_examples=300, deadline=None)
 def test_the_listener_hands_each_token_over_once_first_at_once_then_in_runs_and_the_rest_with_the_ending(interval, plan) -> None:
-    listener = _StepListener(interval)
+    listener = StreamListener(interval)
     seqs = [Sequence([1], 1000) for _ in range(4)]
     made: dict[int, list[int]] = {i: [] for i in range(4)}
     handed: dict[int, list[int]] = {i: [] for i in range(4)}
@@ -122,7 +122,7 @@ def test_a_request_stream_reads_every_token_in_order_then_the_ending_whatever_th
 
 def test_an_interval_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="stream_interval"):
-        _StepListener(0)
+        StreamListener(0)
     with pytest.raises(ValueError):
         ContinuousSettings(weights="default", stream_interval=0)
 

@@ -18,7 +18,7 @@ import pytest
 import requests
 from sampling_oracle import reference_sampled
 
-from benchmarks.server_process import running_module
+from benchmarks.harness.server_process import running_module
 
 MODULE = "chapters.ch08_continuous_batching"
 

@@ -2,7 +2,8 @@
 proxy with the edge, two replicas of chapter 8's server behind the least-tokens router) on loopback,
 started once for the module and stopped with SIGTERM by the fixture; Ray's start-up is paid once, in
 ``make test-slow``. The rest (Serve's options, the health rule, the drain before shutdown, the edge
-and the router against stand-ins for Serve's proxy, the config file and the manifest) runs on every run.
+and the router against stand-ins for Serve's proxy and router, the config file) runs on every run;
+the deploy files as written are tests/test_ch09_deploy.py's.
 
 Through the proxy every replica answers exactly as chapter 8 does: the oracle's tokens, whole or
 streamed, and the OpenAI routes to the official client. A replica killed mid-request costs only its
@@ -13,7 +14,6 @@ listens beyond 127.0.0.1, and once it stops no process of it is left.
 from __future__ import annotations
 
 import json
-import os
 import signal
 from pathlib import Path
 
@@ -21,7 +21,7 @@ import httpx
 import psutil
 import pytest
 
-from benchmarks.server_process import running_module
+from benchmarks.harness.server_process import running_module
 from chapters.ch08_continuous_batching.server import ContinuousSettings
 from chapters.ch09_scale_out.replica import ReplicaOptions, deployment_options, replica_health
 from chapters.ch09_scale_out.server import ScaleOutSettings, replica_settings
@@ -117,7 +117,7 @@ def test_a_replica_killed_mid_request_costs_only_its_requests_each_replayed_or_a
     """Last of the cluster's tests: it leaves Serve replacing the replica it killed."""
     import asyncio
 
-    from benchmarks.scale_out_timeline import outcome_of_stream, outcome_of_whole
+    from benchmarks.studies.scale_out_timeline.scale_out_timeline import outcome_of_stream, outcome_of_whole
 
     url, pid = cluster
     replicas = [p for p in _tree(pid) if any("ServeReplica:" in part for part in p.cmdline())]
@@ -256,36 +256,6 @@ def test_the_serve_config_file_is_valid_for_serve_and_names_only_chapter_9s_sett
         assert not application.deployments, "the replicas' Serve options come from the settings, not from the file"
 
 
-def test_the_rayservice_manifest_deploys_the_same_application_with_chapter_7s_probes() -> None:
-    import ray
-    import yaml
-    from ray.serve.schema import ServeDeploySchema
-
-    manifest = yaml.safe_load((DEPLOY / "rayservice.yaml").read_text())
-    local = yaml.safe_load((DEPLOY / "serve_config.yaml").read_text())
-    assert (manifest["apiVersion"], manifest["kind"]) == ("ray.io/v1", "RayService")
-    served = ServeDeploySchema.model_validate(yaml.safe_load(manifest["spec"]["serveConfigV2"]))
-    assert [a.model_dump() for a in served.applications] == [
-        a.model_dump() for a in ServeDeploySchema.model_validate(local).applications]
-    cluster = manifest["spec"]["rayClusterConfig"]
-    assert cluster["rayVersion"] == ray.__version__  # the image's Ray is the one the code was checked with
-    port = served.http_options.port
-    for group in cluster["workerGroupSpecs"]:
-        pod = group["template"]["spec"]
-        container = pod["containers"][0]
-        assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": port}
-        assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": port}
-        drain_s = max(float(a.args.get("drain_timeout_s", 30)) for a in served.applications)
-        assert pod["terminationGracePeriodSeconds"] > drain_s  # the pod outlives its replicas' drain
-    # every Ray process of the cluster gets what this package sets before Ray starts on a laptop: the edge, gRPC
-    containers = [cluster["headGroupSpec"]["template"]["spec"]["containers"][0],
-                  *(group["template"]["spec"]["containers"][0] for group in cluster["workerGroupSpecs"])]
-    for container in containers:
-        env = {item["name"]: item["value"] for item in container.get("env", [])}
-        for name in ("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "RAY_SERVE_PROXY_USE_GRPC"):
-            assert env.get(name) == os.environ[name], (container["name"], name)
-
-
 def test_joining_a_cluster_by_flag_alone_is_refused_with_what_to_do(monkeypatch, capsys) -> None:
     """Ray's network mode is fixed when it is first imported: the address must come from the environment."""
     from chapters.ch09_scale_out.server import main
@@ -343,3 +313,124 @@ def test_the_router_setting_becomes_serves_request_router_config() -> None:
     assert build_application(ScaleOutSettings(router="least-tokens")) is not None
     with pytest.raises(ValueError, match="unknown router"):
         request_router_config("round-robin")
+
+
+def test_serves_completion_callback_gives_back_the_tokens_a_routed_request_owed() -> None:
+    """The ledger is emptied by Serve's own hook, called as Serve's router calls it when an answer ends.
+
+    The router is built with Serve's constructor; ``AsyncioRouter._process_finished_request`` is the
+    callback Serve registers on every request it sends, run here against a stand-in for the rest of
+    Serve's router (no Ray cluster). Without ``on_request_completed`` a replica would owe a finished
+    request's tokens forever and the router would stop sending it anything.
+    """
+    import asyncio
+    import pickle
+    from types import SimpleNamespace
+
+    from ray.serve._private.common import (DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata,
+                                           StreamingHTTPRequest)
+    from ray.serve._private.request_router.common import PendingRequest
+    from ray.serve._private.router import AsyncioRouter
+
+    from chapters.ch09_scale_out.routing import LeastOutstandingTokensRouter
+
+    deployment = DeploymentID(name="ch09", app_name="ch09")
+    replica_a, replica_b = ReplicaID("a", deployment), ReplicaID("b", deployment)
+
+    def routed_request(internal_id: str, budget: int) -> PendingRequest:
+        scope = {"type": "http", "headers": [(b"x-token-budget", str(budget).encode())]}
+        request = pickle.dumps(StreamingHTTPRequest(asgi_scope=scope, proxy_actor_name="proxy"))  # as the proxy sends it
+        return PendingRequest(args=[request], kwargs={}, metadata=RequestMetadata(request_id=internal_id, internal_request_id=internal_id))
+
+    async def run() -> None:
+        router = LeastOutstandingTokensRouter(deployment_id=deployment, handle_source=DeploymentHandleSource.PROXY)
+        router.initialize_state()
+        serves_router = SimpleNamespace(request_router=router, _active_request_router=router,
+                                        _get_actor_died_error=lambda result: None,
+                                        _metrics_manager=SimpleNamespace(dec_num_running_requests_for_replica=lambda replica_id: None))
+        router.on_request_routed(routed_request("long", 512), replica_a, None)
+        router.on_request_routed(routed_request("short", 16), replica_b, None)
+        assert router.ledger.rank([replica_a, replica_b]) == [replica_b, replica_a]
+        AsyncioRouter._process_finished_request(serves_router, replica_a, "long", None, "the answer")  # "long" ended
+        assert router.ledger.owed == {replica_a: 0, replica_b: 16} and "long" not in router.ledger.requests
+        assert router.ledger.rank([replica_b, replica_a]) == [replica_a, replica_b]
+
+    asyncio.run(run())
+
+
+# ---------------------------------------------------------------- the edge (edge.py) on paths the exercises do not cover
+
+
+def _through_the_edge(proxy, client: list[dict], scope_headers: list | None = None) -> list[dict]:
+    """What a client receives from the edge around ``proxy`` (Serve's proxy stood in for by an ASGI app).
+
+    ``client`` is what the client sends, in order; after it, ``receive`` answers ``http.disconnect``
+    if the client's last message was one (as an ASGI server does once a client has gone), else waits.
+    """
+    import asyncio
+
+    from ray.serve._private.http_util import _apply_middlewares
+
+    from chapters.ch09_scale_out.edge import proxy_middlewares
+
+    sent: list[dict] = []
+    incoming = list(client)
+    gone = bool(client) and client[-1]["type"] == "http.disconnect"
+    stays = asyncio.Event()
+
+    async def receive() -> dict:
+        if incoming:
+            return incoming.pop(0)
+        if gone:
+            return {"type": "http.disconnect"}
+        await stays.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    app = _apply_middlewares(proxy, proxy_middlewares())  # as Serve's proxy composes them: its RequestIdMiddleware, then ours
+    scope = {"type": "http", "method": "POST", "path": "/v1/inference", "headers": list(scope_headers or [])}
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), 5))
+    return sent
+
+
+def test_a_client_that_leaves_after_its_body_was_read_is_not_replayed_on_another_replica() -> None:
+    """The edge replays only a request still replayable: its client still there, not merely its body whole.
+
+    Serve's proxy, having read the body, listens for the client's disconnect while the replica works;
+    when the client goes it cancels the request, which ends without a byte, just as when a replica dies.
+    Replaying it would run the whole request again on a second replica for nobody.
+    """
+    calls: list[dict] = []
+
+    async def proxy(scope, receive, send) -> None:
+        calls.append(await receive())  # the body
+        assert (await receive())["type"] == "http.disconnect"  # the client left; Serve cancels, nothing is sent
+
+    body = {"type": "http.request", "body": b'{"input_ids": [1, 2], "max_new_tokens": 64}', "more_body": False}
+    sent = _through_the_edge(proxy, [body, {"type": "http.disconnect"}])
+    assert len(calls) == 1, "the request of a client that had left was sent to a second replica"
+    assert sent == []  # nobody to answer
+
+
+def test_an_answer_through_the_proxy_carries_one_request_id() -> None:
+    """Serve's RequestIdMiddleware adds an ``X-Request-ID`` to the app's own; the client gets the app's, once."""
+    from shared.schemas import REQUEST_ID_HEADER, request_id_from
+
+    async def chapter_7_app(scope, receive, send) -> None:  # echoes the request id as chapter 7's shell does
+        await receive()
+        headers = {bytes(k).lower(): bytes(v).decode() for k, v in scope["headers"]}
+        request_id = request_id_from(headers.get(REQUEST_ID_HEADER.lower().encode()))
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"), (REQUEST_ID_HEADER.encode(), request_id.encode())]})
+        await send({"type": "http.response.body", "body": json.dumps({"request_id": request_id}).encode()})
+
+    body = {"type": "http.request", "body": b"{}", "more_body": False}
+    for client_id in (None, b"trace-42", b"not a sane id!"):
+        sent = _through_the_edge(chapter_7_app, [body], [(b"x-request-id", client_id)] if client_id else [])
+        ids = [bytes(v).decode() for k, v in sent[0]["headers"] if bytes(k).lower() == b"x-request-id"]
+        assert len(ids) == 1, (client_id, sent[0]["headers"])
+        assert ids[0] == json.loads(sent[1]["body"])["request_id"]  # the id the answer's body and logs name
+        if client_id == b"trace-42":
+            assert ids == ["trace-42"]

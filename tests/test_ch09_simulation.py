@@ -1,4 +1,4 @@
-"""Chapter 9's scale-out simulation against oracles that do not come from its own code.
+"""Chapter 9's scale-out simulation (the model; its sweep's metrics) against oracles that do not come from its own code.
 
 Queueing theory (one replica with one row and a constant step is an M/D/1 queue), hand-computed
 step sums, conservation of requests, the benchmarks' own workload definitions, and the routers'
@@ -13,30 +13,30 @@ import math
 import numpy as np
 import pytest
 
+from benchmarks.studies.scale_out_simulation.sweep import (
+    DEFAULT_OUT,
+    MAX_QUEUE,
+    REPLICA_COUNTS,
+    UTILISATIONS,
+    measured_window,
+    summarise,
+)
 from chapters.ch09_scale_out.simulation import (
     ARTICLE_PROMPT_LENGTHS,
     DEFAULT_NEW_TOKENS,
-    DEFAULT_OUT,
     DEFAULT_STEP_TIMES,
-    MAX_NUM_BATCHED_TOKENS,
-    MAX_NUM_SEQS,
-    MAX_QUEUE,
     MIXED_NEW_TOKENS,
     MIXES,
-    REPLICA_COUNTS,
     ROUTERS,
-    UTILISATIONS,
     Outcome,
     ReplicaConfig,
     RequestMix,
     Requests,
     StepTimeModel,
-    measured_window,
     replica_capacity,
     route_least_tokens,
     route_pow2,
     simulate,
-    summarise,
 )
 from shared.paths import REPO_ROOT
 
@@ -57,8 +57,8 @@ def poisson_requests(mix: RequestMix, rate: float, count: int, seed: int = 7) ->
 
 
 def test_the_request_mixes_are_the_benchmarks_workloads() -> None:
-    from benchmarks.streaming import MIXED_MAX_NEW, MIXED_MIN_NEW
-    from benchmarks.workload import PROMPT_LENGTHS, WORKLOADS
+    from benchmarks.harness.streaming import MIXED_MAX_NEW, MIXED_MIN_NEW
+    from benchmarks.harness.workload import PROMPT_LENGTHS, WORKLOADS
 
     assert ARTICLE_PROMPT_LENGTHS == PROMPT_LENGTHS
     assert DEFAULT_NEW_TOKENS == WORKLOADS["default"].max_new_tokens
@@ -72,12 +72,15 @@ def test_the_request_mixes_are_the_benchmarks_workloads() -> None:
     assert (MIXES["mixed-capped"].draw(np.random.default_rng(0), 100)[2] == MIXED_MAX_NEW).all()
 
 
-def test_the_replica_budgets_are_chapter_8s_defaults() -> None:
+def test_the_replica_budgets_are_chapter_8s_defaults_and_its_rule() -> None:
     from chapters.ch04_memory_pool.server import AdmissionOptions
     from chapters.ch08_continuous_batching.scheduler import SchedulerConfig
 
-    assert (MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS) == (SchedulerConfig().max_num_seqs, SchedulerConfig().max_num_batched_tokens)
+    config = ReplicaConfig(CONSTANT)
+    assert (config.max_num_seqs, config.max_num_batched_tokens) == (SchedulerConfig().max_num_seqs, SchedulerConfig().max_num_batched_tokens)
     assert MAX_QUEUE == AdmissionOptions.model_fields["max_queue"].default
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        ReplicaConfig(CONSTANT, max_num_seqs=8, max_num_batched_tokens=4)
 
 
 # -- queueing theory and exact step sums ------------------------------------------------------

@@ -13,7 +13,7 @@ import pytest
 import requests
 from chapter_flags import oracle_exact_args
 
-from benchmarks.server_process import RunningServer
+from benchmarks.harness.server_process import RunningServer
 from chapters import CHAPTERS
 from shared.settings import ServerSettings
 from shared.tokenizer import ByteTokenizer

@@ -15,7 +15,7 @@ import pytest
 import requests
 from chapter_flags import MIN_TOKEN_AGREEMENT, oracle_exact_args
 
-from benchmarks.server_process import RunningServer
+from benchmarks.harness.server_process import RunningServer
 from chapters import CHAPTERS
 from shared.corpus import corpus_lines
 from shared.tokenizer import ByteTokenizer

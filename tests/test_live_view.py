@@ -21,7 +21,7 @@ from chapters.ch03_dynamic_batching.live_view import LiveEvents, LiveView, Viewe
 from chapters.ch08_continuous_batching.scheduler import Sequence
 from chapters.ch08_continuous_batching.step_thread import StepThread
 from tests.conftest import CLEAN_EXIT_STATUSES
-from benchmarks.server_process import running_server
+from benchmarks.harness.server_process import running_server
 
 from batcher_fakes import FakeClock, FakeModel, run
 from test_ch08_scheduler import fake_setup, prompt
@@ -259,7 +259,7 @@ def test_the_production_shell_serves_the_page_of_its_backend_and_ends_its_stream
 
 
 def test_the_readme_block_reports_every_round_and_the_medians(tmp_path) -> None:
-    from benchmarks.readme_blocks import live_page_cost_block
+    from benchmarks.report.readme_blocks import live_page_cost_block
 
     def run(qps: float, cpu_ms: float, events: int = 0) -> dict:
         return {"qps": qps, "server_cpu_ms_per_request": cpu_ms,
@@ -268,7 +268,7 @@ def test_the_readme_block_reports_every_round_and_the_medians(tmp_path) -> None:
     rounds = [{"order": ["unwatched", "watched"], "unwatched": run(40.0, 20.0), "watched": run(38.0, 21.0, 500),
                "ratio": 0.95, "cpu_per_request_ratio": 1.05}]
     document = {"rounds": rounds, "median_ratio": 0.95, "median_cpu_per_request_ratio": 1.05, "users": 64, "workload": "default",
-                "duration_s": 20, "viewers": 1, "harness": None, "command": "python -m benchmarks.live_page_cost --chapter ch08"}
+                "duration_s": 20, "viewers": 1, "harness": None, "command": "python -m benchmarks.studies.live_page_cost.live_page_cost --chapter ch08"}
     (tmp_path / "ch08").mkdir()
     (tmp_path / "ch08" / "live-page-cost.json").write_text(json.dumps(document))
     block = live_page_cost_block(tmp_path, "ch08")

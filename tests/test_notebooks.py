@@ -1,6 +1,6 @@
 """Every notebook runs top to bottom, against synthetic schema-2 results and against the committed reference.
 
-A notebook displays each figure through ``benchmarks.notebook_plots.show``, which raises on a figure
+A notebook displays each figure through ``benchmarks.report.notebook_plots.show``, which raises on a figure
 with an empty panel, so an empty plot fails here as an error. Against synthetic results (slow: which hold
 every recorded field) every plot must draw: a "no data" note there means the plotting code and the
 results schema have drifted apart. Against the committed reference every plot must draw too (a claim
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.harness.results import REFERENCE_ROOT, REPO_ROOT, load_results
+from benchmarks.harness.streaming import WORKLOADS as STREAMING_WORKLOADS
+from benchmarks.harness.workload import WORKLOADS
 from benchmarks.notebooks import TITLES_FILE, execute, main_figure, notebook_paths
-from benchmarks.results import REFERENCE_ROOT, REPO_ROOT, load_results
-from benchmarks.streaming import WORKLOADS as STREAMING_WORKLOADS
-from benchmarks.workload import WORKLOADS
-from benchmarks.synthetic import (
+from synthetic_results import (
     synthetic_drain_timeline,
     synthetic_leak_report,
     write_synthetic_production_and_streaming,
@@ -193,7 +193,7 @@ def test_a_notebook_without_its_recordings_names_the_commands(name: str, tmp_pat
 
 
 def test_drain_plot_counts_what_the_timeline_holds():
-    from benchmarks.notebook_plots import check_figure, plot_drain_timeline
+    from benchmarks.report.notebook_plots import check_figure, plot_drain_timeline
 
     timeline = synthetic_drain_timeline(clients=3, exit_s=0.9)
     answered = [r for r in timeline["requests"] if r["status"] == 200]
@@ -208,7 +208,7 @@ def test_drain_plot_counts_what_the_timeline_holds():
 
 
 def test_leak_plot_draws_growth_from_the_warm_up():
-    from benchmarks.notebook_plots import plot_leak_curves
+    from benchmarks.report.notebook_plots import plot_leak_curves
 
     curves = {lesson: synthetic_leak_report(lesson, requests=1000, fail_share=0.2, leaked_mb_per_failure=0.5)
               for lesson in ("leaky", "fixed")}
@@ -222,7 +222,7 @@ def test_leak_plot_draws_growth_from_the_warm_up():
 def test_show_refuses_an_empty_panel():
     from matplotlib.figure import Figure
 
-    from benchmarks.notebook_plots import check_figure
+    from benchmarks.report.notebook_plots import check_figure
 
     left, right = Figure().subplots(1, 2)
     left.plot([1, 2], [3, 4])
@@ -237,7 +237,7 @@ def test_show_refuses_an_empty_panel():
 
 @pytest.mark.slow  # the leak check itself runs on every run (tests/test_ch07_leakcheck.py)
 def test_leakcheck_writes_its_memory_curve_where_the_notebook_reads_it(tmp_path: Path):
-    from benchmarks.notebook_plots import load_leak_curves
+    from benchmarks.report.notebook_plots import load_leak_curves
     from chapters.ch07_production import leakcheck
 
     for lesson in ("leaky", "fixed"):
@@ -255,8 +255,8 @@ def test_leakcheck_writes_its_memory_curve_where_the_notebook_reads_it(tmp_path:
 def test_drain_recorder_against_a_real_server(tmp_path: Path):
     import json
 
-    from benchmarks import drain_timeline
-    from benchmarks.notebook_plots import check_figure, plot_drain_timeline
+    from benchmarks.studies.drain_timeline import drain_timeline
+    from benchmarks.report.notebook_plots import check_figure, plot_drain_timeline
 
     out = tmp_path / "ch07" / "drain-timeline.json"
     assert drain_timeline.main(["--out", str(out), "--clients", "2", "--max-new-tokens", "16",
@@ -272,7 +272,7 @@ def test_drain_recorder_against_a_real_server(tmp_path: Path):
 
 
 def test_the_padding_plot_knows_chapter_3s_default_prefill():
-    from benchmarks.notebook_plots import CH03_DEFAULT_PREFILL
+    from benchmarks.report.notebook_plots import CH03_DEFAULT_PREFILL
     from chapters.ch03_dynamic_batching.server import BatchingSettings
 
     assert BatchingSettings.model_fields["prefill"].default == CH03_DEFAULT_PREFILL
@@ -280,8 +280,8 @@ def test_the_padding_plot_knows_chapter_3s_default_prefill():
 
 def test_the_padding_plot_draws_what_the_runs_prefill_computed():
     """`by_length` computes no prompt padding; `padded` computes batch x longest prompt: the plot says which."""
-    from benchmarks.notebook_plots import plot_padding
-    from benchmarks.synthetic import rich_synthetic_result
+    from benchmarks.report.notebook_plots import plot_padding
+    from synthetic_results import rich_synthetic_result
 
     by_length = rich_synthetic_result("ch03")
     config = by_length.config.model_copy(update={"server_args": [*by_length.config.server_args, "--prefill=padded"]})

@@ -112,6 +112,19 @@ def test_a_chapter_started_with_a_refused_value_prints_no_traceback() -> None:
     assert "Traceback" not in done.stderr and "must be >= max_num_seqs" in done.stderr
 
 
+@pytest.mark.parametrize("chapter", ["ch04_memory_pool", "ch07_production", "ch08_continuous_batching"])
+def test_a_pool_too_small_for_the_models_context_is_one_line_and_exit_2(chapter: str) -> None:
+    """Refused only once the model is loaded (its context), yet refused as a flag is: no traceback."""
+    precision = () if chapter.startswith("ch04") else ("--precision", "fp32")
+    done = subprocess.run([sys.executable, "-m", f"chapters.{chapter}", "--pool-tokens", "10", *precision],
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    errors = [line for line in done.stderr.splitlines() if ": error: " in line]
+    assert errors == [f"python -m chapters.{chapter}: error: a pool of 10 token slots cannot hold one request of "
+                      f"512 positions (--pool-tokens 10)"], done.stderr
+
+
 def out_of_bounds(field) -> str | None:
     """A value just past one of ``field``'s bounds, as a flag's text (None: the field has no bound)."""
     step = 1 if field.annotation in (int, "int") else 0.5

@@ -44,7 +44,7 @@ from chapters.ch04_memory_pool.pooled_backend import CpuFallback, PooledBackend,
 from shared.devices import choose_device, set_threads
 from shared.model import ModelConfig
 from shared.schemas import ValidRequest
-from shared.settings import ServerSettings, parse_settings
+from shared.settings import ServerSettings, SettingsError, parse_settings, refused_flags_exit
 from shared.unwritten import or_meanwhile
 from shared.weights import load_model
 
@@ -111,7 +111,7 @@ def plan_pool(settings: PoolOptions, concurrency: int, config: ModelConfig, dtyp
                                 lambda: longest * concurrency, "the pool holds every request at the full context, no headroom")
         rule = f"{longest} tokens x {concurrency} requests x {settings.pool_headroom} headroom"
     if capacity < longest:
-        raise ValueError(f"a pool of {capacity} token slots cannot hold one request of {longest} positions ({rule})")
+        raise SettingsError(f"a pool of {capacity} token slots cannot hold one request of {longest} positions ({rule})")
     return PoolPlan(capacity_tokens=capacity, rule=rule)
 
 
@@ -165,9 +165,12 @@ def admission_for(settings: AdmissionOptions, batcher: DynamicBatcher, pool: KVM
 
 
 def main(argv: list[str] | None = None) -> None:
-    settings = parse_settings(PoolSettings, argv, prog="python -m chapters.ch04_memory_pool")
+    prog = "python -m chapters.ch04_memory_pool"
+    settings = parse_settings(PoolSettings, argv, prog=prog)
     logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
-    serve(build_app(settings), settings)
+    with refused_flags_exit(prog):  # a flag judged against the loaded model: one line, exit 2
+        app = build_app(settings)
+    serve(app, settings)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def build_compiled(model: GPT, precision: str, warmup_batch: int = 2) -> TorchMo
     ``warmup_batch``, with and without a padding mask. Inductor's kernels are cached on disk under
     ``ENGINE_CACHE_DIR/inductor``, which makes a second start much cheaper (not free: Dynamo re-traces).
     """
-    if not _compiler_available():
+    if not compiler_available():
         raise EngineUnavailable("torch.compile needs a C++ compiler on the CPU (none found on PATH)")
     _check_16bit_supported(precision, model.device)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ENGINE_CACHE_DIR / "inductor"))
@@ -90,6 +90,6 @@ def _compiled_graphs() -> int:
     return int(counters["stats"].get("unique_graphs", 0))
 
 
-def _compiler_available() -> bool:
+def compiler_available() -> bool:
     return shutil.which(os.environ.get("CXX", "g++")) is not None or shutil.which("c++") is not None
 

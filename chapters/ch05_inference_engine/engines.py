@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from chapters.ch03_dynamic_batching.batched_generation import batched_greedy
-from chapters.ch05_inference_engine.compiled_engine import _compiler_available, build_compiled
+from chapters.ch05_inference_engine.compiled_engine import build_compiled, compiler_available
 from chapters.ch05_inference_engine.cudagraph_engine import build_cudagraph, cudagraph_unavailable_reason
 from chapters.ch05_inference_engine.engine import (
     ENGINES,
@@ -88,7 +88,7 @@ def unavailable_reason(engine: str, precision: str, device: torch.device) -> str
         return cudagraph_unavailable_reason(precision, device)
     if engine == "onnxruntime":
         return onnxruntime_missing_reason() or _onnx_precision_reason(precision, device)
-    if engine == "compile" and not _compiler_available():
+    if engine == "compile" and not compiler_available():
         return "torch.compile needs a C++ compiler on the CPU (none found on PATH)"
     if precision == "int8":
         return torchao_missing_reason()

@@ -33,7 +33,7 @@ from chapters.ch04_memory_pool.server import AdmissionOptions, PoolOptions, admi
 from chapters.ch05_inference_engine.engine import Engine
 from chapters.ch05_inference_engine.engines import build_engine
 from shared.devices import choose_device, set_threads
-from shared.settings import ServerSettings, parse_settings
+from shared.settings import ServerSettings, parse_settings, refused_flags_exit
 from shared.unwritten import or_meanwhile
 from shared.weights import LoadedModel, load_model
 
@@ -91,9 +91,12 @@ def build_app(settings: EngineSettings) -> FastAPI:
 
 
 def main(argv: list[str] | None = None) -> None:
-    settings = parse_settings(EngineSettings, argv, prog="python -m chapters.ch05_inference_engine")
+    prog = "python -m chapters.ch05_inference_engine"
+    settings = parse_settings(EngineSettings, argv, prog=prog)
     logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
-    serve(build_app(settings), settings)
+    with refused_flags_exit(prog):  # a flag judged against the loaded model: one line, exit 2
+        app = build_app(settings)
+    serve(app, settings)
 
 
 if __name__ == "__main__":

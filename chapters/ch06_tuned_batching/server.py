@@ -27,7 +27,7 @@ from chapters.ch04_memory_pool.server import AdmissionOptions, PoolOptions, admi
 from chapters.ch05_inference_engine.server import EngineOptions, engine_for
 from chapters.ch06_tuned_batching.adaptive_window import AdaptiveBatcher
 from shared.devices import choose_device, set_threads
-from shared.settings import ServerSettings, parse_settings
+from shared.settings import ServerSettings, parse_settings, refused_flags_exit
 from shared.unwritten import or_meanwhile
 from shared.weights import LoadedModel, load_model
 
@@ -100,12 +100,15 @@ def build_app(settings: TunedSettings) -> FastAPI:
 
 
 def main(argv: list[str] | None = None) -> None:
-    settings = parse_settings(TunedSettings, argv, prog="python -m chapters.ch06_tuned_batching")
+    prog = "python -m chapters.ch06_tuned_batching"
+    settings = parse_settings(TunedSettings, argv, prog=prog)
     settings = or_meanwhile(lambda: apply_tuned_config(settings), lambda: settings, "tuned.json is ignored")
     logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     log.info("batcher: max_batch %d, min_batch %d, window %.1f ms (min %.1f ms), from %s",
              settings.max_batch, settings.min_batch, settings.window_ms, settings.min_window_ms, settings.tuned_config)
-    serve(build_app(settings), settings)
+    with refused_flags_exit(prog):  # a flag judged against the loaded model: one line, exit 2
+        app = build_app(settings)
+    serve(app, settings)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, Field, ValidationError
 from pydantic_settings import BaseSettings
 
@@ -73,8 +73,8 @@ from chapters.ch07_production.model_registry import MODEL_VERSION_HEADER, ModelR
 from chapters.ch07_production.request_log import RequestContext, RequestObserver, configure_json_logging, current_request
 from chapters.ch07_production.startup_heap import freeze_startup_heap
 from shared.devices import choose_device, memory_snapshot, set_threads
-from shared.schemas import ApiError, ValidRequest
-from shared.settings import ServerSettings, parse_settings
+from shared.schemas import ApiError, ContractLimits, ValidRequest
+from shared.settings import ServerSettings, parse_settings, refused_flags_exit
 from shared.unwritten import or_meanwhile
 from shared.weights import LoadedModel, load_model
 
@@ -347,6 +347,14 @@ def build_app(settings: ProductionSettings, backend_factory: BackendFactory = bu
     app.state.limits, app.state.tokenizer, app.state.first_source = limits, first.loaded.tokenizer, first.source
     LiveView(lambda: read_events(newest_backend()), pages).register(app)
 
+    register_health_routes(app, backend, metrics_registry)
+    register_admin_routes(app, settings, backend, registry, limits, backend_factory)
+    return app
+
+
+def register_health_routes(app: FastAPI, backend: ProductionBackend, metrics_registry: CollectorRegistry) -> None:
+    """``/livez`` (the process answers), ``/readyz`` (a real request went through lately), ``/metrics``."""
+
     @app.get("/livez")
     async def livez() -> dict:
         return {"status": "alive"}
@@ -359,6 +367,11 @@ def build_app(settings: ProductionSettings, backend_factory: BackendFactory = bu
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def register_admin_routes(app: FastAPI, settings: ProductionSettings, backend: ProductionBackend, registry: ModelRegistry,
+                          limits: ContractLimits, backend_factory: BackendFactory) -> None:
+    """``/admin/models``, behind the admin token: list the versions, load one (hot reload, the previous retired)."""
 
     def authorize(request: Request) -> None:
         given = request.headers.get("authorization", "")
@@ -394,8 +407,6 @@ def build_app(settings: ProductionSettings, backend_factory: BackendFactory = bu
         await registry.add(version, retire_previous=asked.retire_previous)
         return {"version": version.name, "source": version.source, "load_s": round(time.perf_counter() - started, 3)}
 
-    return app
-
 
 def serve(app: FastAPI, settings: ServerSettings) -> None:
     """Run ``app`` (one built by :func:`build_app`) with uvicorn until SIGTERM, then drain it.
@@ -414,10 +425,13 @@ def serve(app: FastAPI, settings: ServerSettings) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    settings = parse_settings(ProductionSettings, argv, prog="python -m chapters.ch07_production")
+    prog = "python -m chapters.ch07_production"
+    settings = parse_settings(ProductionSettings, argv, prog=prog)
     settings = or_meanwhile(lambda: apply_tuned_config(settings), lambda: settings, "tuned.json is ignored")
     configure_json_logging(settings.log_level)
-    serve(build_app(settings), settings)
+    with refused_flags_exit(prog):  # a flag judged against the loaded model: one line, exit 2
+        app = build_app(settings)
+    serve(app, settings)
 
 
 if __name__ == "__main__":

@@ -6,21 +6,17 @@ so position ``p`` of the sequence lives in block ``table[p // block_tokens]`` at
 ``p % block_tokens``. No range has to be contiguous, so nothing fragments and nothing is reserved
 for tokens that may never come (vLLM's PagedAttention, the operating system's page table).
 
-A block may belong to several sequences at once. Its reference count says how many tables hold
-it; it returns to the free queue when the last one lets go. Two things share blocks:
-
-- **prefix caching** (``prefix_caching=True``; vLLM's automatic prefix caching, nano-vllm's block
-  manager): a FULL block whose keys and values are computed gets an identity, :func:`block_hash`
-  of its tokens chained with its parent block's identity, so equal identities mean equal tokens
-  at equal positions after an equal prefix. A new sequence starts with every cached block of its
-  prompt's prefix (:meth:`BlockManager.cached_prefix`, then :meth:`BlockManager.allocate`) and
-  computes only the rest. A block nobody holds keeps its identity in the free queue, least
-  recently released first, and stays findable until it is handed out for other tokens: caching
-  costs no memory, it only delays forgetting.
-- ``fork``: a child starts with its parent's blocks, as beam search would. A shared block must be
-  copied before either owner writes into it (copy on write): :meth:`BlockManager.make_last_block_writable`
-  says which block to copy where. Prefix caching never needs the copy: it shares only full blocks
-  and every sequence computes at least its last token itself, in a block of its own.
+A block may belong to several sequences at once, through **prefix caching** (``prefix_caching=True``;
+vLLM's automatic prefix caching, nano-vllm's block manager): a FULL block whose keys and values are
+computed gets an identity, :func:`block_hash` of its tokens chained with its parent block's
+identity, so equal identities mean equal tokens at equal positions after an equal prefix. A new
+sequence starts with every cached block of its prompt's prefix (:meth:`BlockManager.cached_prefix`,
+then :meth:`BlockManager.allocate`) and computes only the rest. A block's reference count says how
+many tables hold it; it returns to the free queue when the last one lets go. A block nobody holds
+keeps its identity in the free queue, least recently released first, and stays findable until it
+is handed out for other tokens: caching costs no memory, it only delays forgetting. A shared block
+is never written: only full blocks are shared, and every sequence computes at least its last token
+itself, in a block of its own (so no copy on write is needed).
 
 Pure bookkeeping, no tensors: :mod:`~chapters.ch08_continuous_batching.paged_cache` stores the keys
 and values. All calls come from the engine's one thread; ``/stats`` only reads integers.
@@ -81,12 +77,12 @@ class CachedPrefix:
 class BlockManager:
     """Blocks ``0 .. total_blocks - 1`` of ``block_tokens`` token slots each, handed out one by one.
 
-    Invariants (the property tests check them after every operation, :meth:`check_consistent`):
+    Invariants (the property tests check them after every operation: ``tests/test_ch08_block_manager.py``):
 
     - every block is either in the free queue (reference count 0) or in at least one block table,
       and its reference count equals the number of tables that hold it;
     - the free queue holds each free block once; ``free_blocks + used_blocks == total_blocks``;
-    - a table holds exactly ``ceil(tokens / block_tokens)`` blocks for the tokens it was sized for;
+    - a table holds ``ceil(n / block_tokens)`` blocks for the most tokens ``n`` it was asked to hold (it never shrinks);
     - with prefix caching: a block has at most one identity and an identity at most one block (the
       index and the blocks agree); a table's block that has an identity has the one its sequence's
       tokens give at that place; without it, no block has an identity.
@@ -105,7 +101,6 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(total_blocks))
         self.ref_counts: list[int] = [0] * total_blocks
         self.tables: dict[Hashable, list[int]] = {}
-        self._tokens: dict[Hashable, int] = {}  # token slots each table is sized for
         # Prefix caching: each block's identity (None: none), the index from identity to block, and
         # each sequence's chain (the identities its tokens give its leading computed full blocks,
         # registered or not: the next block's parent is the last of them).
@@ -140,16 +135,9 @@ class BlockManager:
         """Blocks that hold ``n_tokens`` token slots."""
         return math.ceil(n_tokens / self.block_tokens)
 
-    def tokens_of(self, seq_id: Hashable) -> int:
-        return self._tokens[seq_id]
-
-    def blocks_needed(self, seq_id: Hashable, n_tokens: int) -> int:
-        """New blocks :meth:`grow_to` would take to hold ``n_tokens`` (0 for an unknown sequence: all of them)."""
-        have = len(self.tables.get(seq_id, ()))
-        return max(0, self.blocks_for(n_tokens) - have)
-
     def can_grow_to(self, seq_id: Hashable, n_tokens: int) -> bool:
-        return self.blocks_needed(seq_id, n_tokens) <= len(self._free)
+        """Whether :meth:`grow_to` would find the blocks ``seq_id`` lacks for ``n_tokens`` free."""
+        return self.blocks_for(n_tokens) - len(self.tables[seq_id]) <= len(self._free)
 
     def describe_prefix_cache(self) -> dict:
         """The prefix cache's figures for ``/stats``."""
@@ -230,34 +218,21 @@ class BlockManager:
         """
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id!r} already has a block table")
-        if n_tokens < 0:
-            raise ValueError(f"n_tokens must be >= 0, got {n_tokens}")
         hits, hashes = (prefix.blocks, prefix.hashes) if prefix is not None else ((), ())
-        if hits:
-            if prefix.block_tokens != self.block_tokens or n_tokens < prefix.tokens:
-                raise ValueError(f"{seq_id!r}: a table for {n_tokens} tokens cannot start with {prefix.tokens} cached ones")
-            if any(self._block_of_hash.get(digest) != block for block, digest in zip(hits, hashes)):
-                raise ValueError(f"{seq_id!r}: a cached prefix is used after the cache changed; look it up again")
-            reviving = sum(1 for block in hits if self.ref_counts[block] == 0)
-            needed = self.blocks_for(n_tokens) - len(hits)
-            if reviving + needed > len(self._free):
-                raise OutOfBlocks(f"{seq_id!r} needs {reviving} cached and {needed} new blocks; {len(self._free)} are free")
-            for block in hits:
-                if self.ref_counts[block] == 0:
-                    del self._free[block]
-                self.ref_counts[block] += 1
+        reviving = sum(1 for block in hits if self.ref_counts[block] == 0)  # cached, but in the free queue
+        needed = max(0, self.blocks_for(n_tokens) - len(hits))
+        if reviving + needed > len(self._free):
+            raise OutOfBlocks(f"{seq_id!r} needs {reviving} cached and {needed} new blocks; {len(self._free)} are free")
+        for block in hits:
+            if self.ref_counts[block] == 0:
+                del self._free[block]
+            self.ref_counts[block] += 1
         self.tables[seq_id] = list(hits)
-        self._tokens[seq_id] = len(hits) * self.block_tokens
         self._chains[seq_id] = list(hashes)
-        try:
-            table = self.grow_to(seq_id, n_tokens)
-        except OutOfBlocks:  # only without hits: with them, the check above was for everything
-            del self.tables[seq_id], self._tokens[seq_id], self._chains[seq_id]
-            raise
         if prefix is not None:
             self.lookups_tokens += prefix.queried_tokens
             self.hits_tokens += prefix.tokens
-        return table
+        return self.grow_to(seq_id, n_tokens)  # the blocks are there: checked above
 
     def grow_to(self, seq_id: Hashable, n_tokens: int) -> list[int]:
         """Make ``seq_id``'s table hold at least ``n_tokens`` slots; all or nothing. Returns the table."""
@@ -270,41 +245,8 @@ class BlockManager:
             block = self._pop_free()
             self.ref_counts[block] = 1
             table.append(block)
-        self._tokens[seq_id] = max(self._tokens[seq_id], n_tokens)
         return table
         # EXERCISE ch08.1 END
-
-    def fork(self, parent_id: Hashable, child_id: Hashable) -> list[int]:
-        """A table for ``child_id`` that shares every block of ``parent_id`` (each block's count goes up by one).
-
-        The child has the parent's tokens so far, so it inherits the parent's chain of identities too.
-        """
-        if child_id in self.tables:
-            raise ValueError(f"sequence {child_id!r} already has a block table")
-        table = list(self.tables[parent_id])
-        for block in table:
-            self.ref_counts[block] += 1
-        self.tables[child_id] = table
-        self._tokens[child_id] = self._tokens[parent_id]
-        self._chains[child_id] = list(self._chains[parent_id])
-        return table
-
-    def make_last_block_writable(self, seq_id: Hashable) -> tuple[int, int] | None:
-        """Copy on write: if ``seq_id``'s last block is shared, give it a private one.
-
-        Returns ``(source, destination)`` blocks whose contents the caller must copy, or None when
-        the last block was already private. Raises :class:`OutOfBlocks` when no block is free.
-        """
-        table = self.tables[seq_id]
-        if not table or self.ref_counts[table[-1]] == 1:
-            return None
-        if not self._free:
-            raise OutOfBlocks(f"{seq_id!r} must copy a shared block and none is free")
-        shared, private = table[-1], self._pop_free()
-        self.ref_counts[shared] -= 1
-        self.ref_counts[private] = 1
-        table[-1] = private
-        return shared, private
 
     # -- release ------------------------------------------------------------------------------
 
@@ -317,7 +259,6 @@ class BlockManager:
         self._chains.pop(seq_id, None)
         # EXERCISE ch08.1 BEGIN "paged allocation: take whole blocks from the free list, all or nothing"
         table = self.tables.pop(seq_id)
-        del self._tokens[seq_id]
         released = 0
         for block in reversed(table):  # the tail first: the least likely to be shared, and forgotten first
             self.ref_counts[block] -= 1
@@ -326,30 +267,3 @@ class BlockManager:
                 released += 1
         return released
         # EXERCISE ch08.1 END
-
-    # -- checks -------------------------------------------------------------------------------
-
-    def check_consistent(self) -> None:
-        """Raise AssertionError if an invariant of the class docstring does not hold (tests call it)."""
-        holders = [0] * self.total_blocks
-        for seq_id, table in self.tables.items():
-            assert len(table) == self.blocks_for(self._tokens[seq_id]), f"{seq_id!r}: {len(table)} blocks for {self._tokens[seq_id]} tokens"
-            for block in table:
-                holders[block] += 1
-        for block in range(self.total_blocks):
-            assert holders[block] == self.ref_counts[block], f"block {block}: count {self.ref_counts[block]}, held by {holders[block]}"
-        assert set(self._free) == {b for b in range(self.total_blocks) if holders[b] == 0}, "free queue != unheld blocks"
-        assert len(self._free) + self.used_blocks == self.total_blocks
-        # the identity index and the blocks agree, both ways
-        for digest, block in self._block_of_hash.items():
-            assert self._hash_of_block[block] == digest, f"block {block} is indexed under an identity it does not have"
-        named = [b for b in range(self.total_blocks) if self._hash_of_block[b] is not None]
-        assert len(named) == len(self._block_of_hash), "a block has an identity the index does not list"
-        assert self.prefix_caching or not named, "an identity without prefix caching"
-        assert set(self._chains) == set(self.tables), "a chain without a table, or a table without a chain"
-        for seq_id, chain in self._chains.items():
-            table = self.tables[seq_id]
-            assert len(chain) * self.block_tokens <= self._tokens[seq_id], f"{seq_id!r}: identities beyond its tokens"
-            for index, digest in enumerate(chain):
-                held = self._hash_of_block[table[index]]
-                assert held is None or held == digest, f"{seq_id!r}: block {table[index]} at {index} holds other tokens than its own"

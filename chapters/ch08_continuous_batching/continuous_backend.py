@@ -30,11 +30,12 @@ from chapters.ch02_fastapi_async.api import DisconnectCheck, Generated
 from chapters.ch03_dynamic_batching.batcher import ClientDisconnected
 from chapters.ch04_memory_pool.admission import AdmissionConfig, AdmissionController
 from chapters.ch07_production.metrics import BackendState
-from chapters.ch08_continuous_batching.step_thread import StepThread, Finished, RequestStream
 from chapters.ch08_continuous_batching.continuous_metrics import TokenLatencies
+from chapters.ch08_continuous_batching.request_stream import Finished, RequestStream
 from chapters.ch08_continuous_batching.sampled_contract import SampledRequest
 from chapters.ch08_continuous_batching.sampling import GREEDY, TokenLogprobs
 from chapters.ch08_continuous_batching.scheduler import Sequence
+from chapters.ch08_continuous_batching.step_thread import StepThread
 from shared.schemas import ValidRequest
 
 

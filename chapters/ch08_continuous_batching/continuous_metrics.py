@@ -6,14 +6,17 @@ comes (TTFT) and how fast the others follow (TPOT, time per output token after t
 sequences run and wait, how its KV blocks are used, how often memory ran out and a sequence was
 preempted, how many tokens each step computes, and how many prompt tokens the prefix cache spared
 (hits over lookups: the hit rate). All of it is read at scrape time, as chapter 7 does:
-the step thread's counters (:class:`~chapters.ch08_continuous_batching.scheduler.SchedulerStats`)
-and the latencies each backend tallies when a request ends (:class:`TokenLatencies`).
+the step thread's counters (:class:`~chapters.ch08_continuous_batching.scheduler.SchedulerStats`, and
+the time of each phase of each step: :class:`StepClock`) and the latencies each backend tallies
+when a request ends (:class:`TokenLatencies`).
 """
 
 from __future__ import annotations
 
 import bisect
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
@@ -26,6 +29,48 @@ SERIES = (
     "inference_kv_blocks", "inference_preemptions", "inference_steps", "inference_step_tokens",
     "inference_prefix_cache_lookup_tokens", "inference_prefix_cache_hit_tokens", "inference_prefix_cache_blocks",
 )
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One step: what it computed and where its time went (milliseconds)."""
+
+    tokens: int  # tokens computed: decode rows + prompt-chunk tokens
+    decode_rows: int
+    prefill_tokens: int
+    running: int  # sequences running after the step
+    schedule_ms: float
+    prepare_ms: float  # the runner's input preparation (packing, slot mapping, attention metadata)
+    model_ms: float
+    update_ms: float
+
+
+class StepClock:
+    """Per-phase time of every step: running totals, and the last ``keep`` steps for /stats and the notebook."""
+
+    PHASES = ("schedule", "prepare", "model", "update")
+
+    def __init__(self, keep: int = 256) -> None:
+        self.totals_s = dict.fromkeys(self.PHASES, 0.0)
+        self.recent: deque[StepRecord] = deque(maxlen=keep)
+        self.decode_rows: Counter[int] = Counter()  # every step so far: decode rows -> steps
+
+    def record(self, record: StepRecord) -> None:
+        for phase in self.PHASES:
+            self.totals_s[phase] += getattr(record, f"{phase}_ms") / 1e3
+        self.recent.append(record)
+        self.decode_rows[record.decode_rows] += 1
+
+    def describe(self) -> dict:
+        total = sum(self.totals_s.values())
+        return {
+            "seconds": {phase: round(value, 4) for phase, value in self.totals_s.items()},
+            "share": {phase: round(value / total, 4) if total else None for phase, value in self.totals_s.items()},
+            # copy() is one C call, so a step recorded by the step thread meanwhile cannot interrupt it;
+            # iterating the deque itself while it grows raises "deque mutated during iteration".
+            "recent": [asdict(r) for r in self.recent.copy()],
+        }
+
 
 
 class LatencyTally:

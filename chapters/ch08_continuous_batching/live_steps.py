@@ -25,11 +25,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from chapters.ch03_dynamic_batching.live_view import server_time
+from chapters.ch03_dynamic_batching.live_view import LiveEvents, server_time
+from chapters.ch08_continuous_batching.continuous_metrics import StepClock, StepRecord
 from chapters.ch08_continuous_batching.scheduler import ContinuousScheduler, ContinuousStep, Sequence, Status
 
 if TYPE_CHECKING:  # the step thread imports this module
-    from chapters.ch08_continuous_batching.step_thread import Finished
+    from chapters.ch08_continuous_batching.request_stream import Finished
 
 WAITING_SHOWN = 32  # the page draws the head of the queue and counts the rest
 MAX_EVENTS_PER_S = 30.0
@@ -46,6 +47,17 @@ class StepView:
         self._left: list[list] = []  # since the last event sent
         self._latencies: list[dict] = []
         self._sent_at = self._cached_sent_at = float("-inf")
+        self.events = LiveEvents(hello=self.hello)  # what the page watches
+
+    def after_step(self, step: ContinuousStep | None, record: StepRecord | None, finished: Mapping[Sequence, Finished]) -> None:
+        """In the step thread, after each turn of its loop: the step's event, published while someone watches
+        (``step`` None: nothing ran, only endings to show; nobody watching costs one check)."""
+        if not self.events.watched or (step is None and not finished):
+            return
+        timings = {phase: getattr(record, f"{phase}_ms") for phase in StepClock.PHASES} if record else None
+        event = self.step_event(step, timings, finished, last=not self.scheduler.has_work)
+        if event is not None:
+            self.events.publish_threadsafe("step", event)
 
     def hello(self) -> dict:
         """The first event a page gets: the scheduler's settings and counters (read on the event loop)."""

@@ -1,7 +1,7 @@
 """Input preparation in one place: the scheduler's plan becomes ONE packed model call.
 
 The scheduler emits plain data: a list of rows, each "``length`` tokens of this sequence from
-position ``start``" (decodes first, then prompt chunks). :class:`ModelRunner` turns that into the
+position ``start``" (decodes first, then prompt chunks). :func:`prepare_inputs` turns that into the
 tensors of one forward pass, as nano-vllm's ``model_runner.py`` and vLLM v1's GPU model runner do:
 
     sequence   A (decode)   B (decode)   C (prompt chunk, positions 0-3)   D (chunk, positions 16-18)
@@ -14,7 +14,8 @@ tensors of one forward pass, as nano-vllm's ``model_runner.py`` and vLLM v1's GP
 
 No padding anywhere: linear layers, LayerNorm and the MLP compute exactly N = 9 tokens, and only the
 sampled rows reach the output layer. Attention, the one place where sequences must not mix, gets
-the layout through :class:`~chapters.ch08_continuous_batching.paged_attention.PagedAttention`.
+the layout through :class:`~chapters.ch08_continuous_batching.paged_attention.PagedAttention` (the
+backend :mod:`~chapters.ch08_continuous_batching.attention_choice` chose).
 
 The model is chapter 5's engine (what its rule chose on this machine), called through
 :meth:`shared.model.GPT.forward_packed`.
@@ -32,23 +33,8 @@ from torch import Tensor
 from chapters.ch05_inference_engine.engine import Engine, EngineUnavailable, TorchModuleEngine
 from chapters.ch08_continuous_batching.paged_attention import PackedInputs, PagedAttention
 from chapters.ch08_continuous_batching.paged_cache import PagedKVStore
+from chapters.ch08_continuous_batching.scheduler import ScheduledRow
 from shared.model import GPT, Attend
-
-
-class PlannedRow(Protocol):
-    """What the runner needs of a scheduled row (the scheduler's ``ScheduledRow`` is one)."""
-
-    @property
-    def seq_id(self) -> int: ...
-
-    @property
-    def new_ids(self) -> list[int]: ...  # this row's tokens, in order
-
-    @property
-    def start(self) -> int: ...  # position of the first of them
-
-    @property
-    def samples(self) -> bool: ...  # its last token's logits give the sequence's next token
 
 
 class PackedModel(Protocol):
@@ -68,7 +54,7 @@ def packed_model(engine: Engine) -> GPT:
     return getattr(engine.module, "_orig_mod", engine.module)
 
 
-def pack_rows(rows: Rows[PlannedRow]) -> tuple[list[int], list[int], list[int], list[int]]:
+def pack_rows(rows: Rows[ScheduledRow]) -> tuple[list[int], list[int], list[int], list[int]]:
     """The flattened layout of ``rows``: ``(input_ids, positions, query_start, logits_indices)``.
 
     ``query_start`` has one more entry than ``rows``: row ``i`` owns tokens
@@ -90,37 +76,38 @@ def pack_rows(rows: Rows[PlannedRow]) -> tuple[list[int], list[int], list[int], 
     # EXERCISE ch08.4 END
 
 
+def prepare_inputs(store: PagedKVStore, rows: Rows[ScheduledRow], num_decodes: int) -> PackedInputs:
+    """The step's tensors (:func:`pack_rows`, plus the slot mapping and the block tables); every row's
+    block table must already cover what it writes."""
+    input_ids, positions, query_start, logits_indices = pack_rows(rows)
+    slots: list[int] = []
+    for row in rows:
+        slots += store.slots(row.seq_id, row.start, row.start + len(row.new_ids))
+    to_device = lambda values: torch.tensor(values, dtype=torch.long).to(store.device)  # noqa: E731
+    return PackedInputs(
+        input_ids=to_device(input_ids),
+        positions=to_device(positions),
+        query_start=query_start,
+        context_lens=[row.start + len(row.new_ids) for row in rows],
+        block_tables=[store.manager.tables[row.seq_id] for row in rows],
+        slot_mapping=to_device(slots),
+        logits_indices=to_device(logits_indices),
+        num_decodes=num_decodes,
+    )
+
+
 class ModelRunner:
     """Prepares and runs one packed step; keeps how long each half took (``last_prepare_s``, ``last_model_s``)."""
 
     def __init__(self, model: PackedModel, store: PagedKVStore, attention: PagedAttention) -> None:
         self.model, self.store, self.attention = model, store, attention
-        self.device = store.device
         self.last_prepare_s = 0.0
         self.last_model_s = 0.0
 
-    def prepare(self, rows: Rows[PlannedRow], num_decodes: int) -> PackedInputs:
-        """The step's tensors; every row's block table must already cover what it writes."""
-        input_ids, positions, query_start, logits_indices = pack_rows(rows)
-        slots: list[int] = []
-        for row in rows:
-            slots += self.store.slots(row.seq_id, row.start, row.start + len(row.new_ids))
-        to_device = lambda values: torch.tensor(values, dtype=torch.long).to(self.device)  # noqa: E731
-        return PackedInputs(
-            input_ids=to_device(input_ids),
-            positions=to_device(positions),
-            query_start=query_start,
-            context_lens=[row.start + len(row.new_ids) for row in rows],
-            block_tables=[self.store.manager.tables[row.seq_id] for row in rows],
-            slot_mapping=to_device(slots),
-            logits_indices=to_device(logits_indices),
-            num_decodes=num_decodes,
-        )
-
-    def execute(self, rows: Rows[PlannedRow], num_decodes: int) -> Tensor:
+    def execute(self, rows: Rows[ScheduledRow], num_decodes: int) -> Tensor:
         """float32 logits (R, V) of the rows that sample, in row order (an empty (0, V) when none does)."""
         started = time.perf_counter()
-        inputs = self.prepare(rows, num_decodes)
+        inputs = prepare_inputs(self.store, rows, num_decodes)
         attend = self.attention.bind(inputs)
         prepared = time.perf_counter()
         logits = self.model.forward_packed(inputs.input_ids, inputs.positions, attend, inputs.logits_indices)

@@ -38,7 +38,7 @@ from chapters.ch02_fastapi_async.api import Generated, read_body
 from chapters.ch08_continuous_batching.continuous_backend import Completion
 from chapters.ch08_continuous_batching.sampled_contract import SampledRequest
 from chapters.ch08_continuous_batching.sampling import MAX_LOGPROBS, MAX_TEMPERATURE, SamplingParams, TokenLogprobs
-from chapters.ch08_continuous_batching.step_thread import SampledToken
+from chapters.ch08_continuous_batching.request_stream import SampledToken
 from chapters.ch08_continuous_batching.stop_strings import StopStrings, StopText, visible_text
 from chapters.ch08_continuous_batching.streaming import SSE_HEADERS, EventRuns, sse
 from shared.schemas import ApiError, ContractLimits, check_limits

@@ -59,8 +59,8 @@ class PagedKVStore:
     """Chapter 4's pool, cut into blocks that sequences take one by one (a :class:`BlockManager` ledger).
 
     ``prefix_caching``: the ledger keeps computed full blocks findable by their tokens (see
-    :mod:`~chapters.ch08_continuous_batching.block_manager`). ``close()`` gives the pool's range
-    back to chapter 4's allocator.
+    :mod:`~chapters.ch08_continuous_batching.block_manager`). The store holds the pool's one range
+    for as long as the pool lives (a model version's backend owns both).
     """
 
     def __init__(self, pool: KVMemoryPool, prefix_caching: bool = False) -> None:
@@ -68,12 +68,12 @@ class PagedKVStore:
         self.config = pool.config
         self.block_tokens = pool.block_tokens
         # One range, every block: from now on this store decides who holds which block.
-        self._lease: BlockRange | None = or_meanwhile(
+        lease: BlockRange | None = or_meanwhile(
             lambda: pool.allocator.allocate(pool.allocator.total_blocks), lambda: None,
             "the paged store uses the pool without recording it in chapter 4's ledger")
-        n_blocks = self._lease.n_blocks if self._lease is not None else pool.allocator.total_blocks
+        n_blocks = lease.n_blocks if lease is not None else pool.allocator.total_blocks
         self.manager = BlockManager(n_blocks, pool.block_tokens, prefix_caching=prefix_caching)
-        self.first_block = self._lease.start if self._lease is not None else 0  # 0 in practice: the pool was empty
+        self.first_block = lease.start if lease is not None else 0  # 0 in practice: the pool was empty
         self._first_slot = self.first_block * pool.block_tokens
 
     @property
@@ -93,15 +93,3 @@ class PagedKVStore:
         first = self._first_slot
         return [first + table[p // size] * size + p % size for p in range(start, end)]
         # EXERCISE ch08.5 END
-
-    def copy_block(self, source: int, destination: int) -> None:
-        """Copy one block's keys and values in every layer (copy on write after a fork)."""
-        size, first = self.block_tokens, self._first_slot
-        src = slice(first + source * size, first + (source + 1) * size)
-        dst = slice(first + destination * size, first + (destination + 1) * size)
-        self.pool.storage[:, :, dst] = self.pool.storage[:, :, src]
-
-    def close(self) -> None:
-        if self._lease is not None:
-            lease, self._lease = self._lease, None
-            self.pool.free(lease)

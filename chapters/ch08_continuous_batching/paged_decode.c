@@ -1,5 +1,5 @@
 /* Decode attention over the paged KV cache: one query per row, each row reading its own blocks where
- * they lie. Chapter 8's `kernel` backend (paged_attention.py) builds this file with the system's C
+ * they lie. Chapter 8's `kernel` backend (attention_kernel.py) builds this file with the system's C
  * compiler and calls it through ctypes, one call per layer for every decode row of a step.
  *
  * First every row's new key and value go into its slot (slots[r], rounded to the cache's dtype); then,
@@ -47,7 +47,7 @@ static inline float to_fp32(float x) { return x; }
  * Asking for the row AHEAD positions on (every cache line of it) overlaps that wait with the work
  * on the positions before it; it changes no result. */
 #ifndef AHEAD
-#define AHEAD 8 /* -DAHEAD=0 builds it without (benchmarks/reference/cpu/ch08/kernel-prefetch/) */
+#define AHEAD 8 /* -DAHEAD=0 builds it without (benchmarks/studies/kernel_prefetch/) */
 #endif
 
 static inline int64_t slot_of(const int32_t *table, int64_t t, int64_t block) {

@@ -35,102 +35,20 @@ futures and streams), and tests drive the scheduler with a fake model and plain 
 
 from __future__ import annotations
 
-import enum
-import itertools
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Literal, Protocol
 
-import torch
 from torch import Tensor
 
 from chapters.ch08_continuous_batching.block_manager import OutOfBlocks
 from chapters.ch08_continuous_batching.paged_cache import PagedKVStore
-from chapters.ch08_continuous_batching.sampling import GREEDY, SamplingParams, TokenLogprobs, sample_tokens
+from chapters.ch08_continuous_batching.sampling import sample_tokens
+from chapters.ch08_continuous_batching.sequence import Sequence, Status, StopCondition  # noqa: F401 (StopCondition: for importers)
 
 KVPolicy = Literal["reserve", "grow"]
-
-
-class StopCondition(Protocol):
-    """Ends a sequence before its ``max_new_tokens`` (``stop_strings.StopStrings``: a stop string in its text)."""
-
-    def reached(self, output_ids: list[int]) -> bool: ...
-
-
-class Status(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-    ABORTED = "aborted"
-
-
-_ids = itertools.count(1)
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One request's state inside the scheduler.
-
-    ``token_ids`` is the prompt followed by every token generated so far; ``num_computed`` counts
-    the leading positions whose keys and values are in the cache (0 again after a preemption).
-    ``sampling`` says how its tokens are picked (greedy by default), ``stop`` may end it early;
-    ``finish_reason`` is then "stop", else "length" once it has ``max_new_tokens``.
-    """
-
-    prompt_ids: list[int]
-    max_new_tokens: int
-    arrived: float = field(default_factory=time.perf_counter)
-    seq_id: int = field(default_factory=lambda: next(_ids))
-    token_ids: list[int] = field(init=False)
-    num_computed: int = 0
-    status: Status = Status.WAITING
-    preemptions: int = 0
-    scheduled_at: float | None = None  # first time any of it was computed
-    first_token_at: float | None = None
-    finished_at: float | None = None
-    listener_data: object = None  # whatever the listener attaches (the engine: the request's stream)
-    sampling: SamplingParams = GREEDY
-    stop: StopCondition | None = None
-    finish_reason: Literal["stop", "length"] | None = None
-    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token when sampling.logprobs is set
-    generator: torch.Generator | None = field(init=False, repr=False)  # its own random stream: batching never shifts it
-
-    def __post_init__(self) -> None:
-        if not self.prompt_ids or self.max_new_tokens < 1:
-            raise ValueError("a sequence needs at least one prompt token and one new token")
-        self.token_ids = list(self.prompt_ids)
-        self.generator = self.sampling.generator()
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_ids):]
-
-    @property
-    def num_generated(self) -> int:
-        return len(self.token_ids) - len(self.prompt_ids)
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def peak_kv_tokens(self) -> int:
-        """Positions it ever stores: the last generated token is returned, never fed back."""
-        return len(self.prompt_ids) + self.max_new_tokens - 1
-
-    def timings_ms(self) -> dict[str, float]:
-        """queue (arrival to first computed), prefill (to first token), ttft, decode (first to last token)."""
-        out: dict[str, float] = {}
-        if self.scheduled_at is not None:
-            out["queue"] = (self.scheduled_at - self.arrived) * 1e3
-        if self.first_token_at is not None and self.scheduled_at is not None:
-            out["prefill"] = (self.first_token_at - self.scheduled_at) * 1e3
-            out["ttft"] = (self.first_token_at - self.arrived) * 1e3
-        if self.finished_at is not None and self.first_token_at is not None:
-            out["decode"] = (self.finished_at - self.first_token_at) * 1e3
-        return out
 
 
 class SequenceListener(Protocol):
@@ -283,16 +201,11 @@ class ContinuousScheduler:
 
     def _schedule_decodes(self) -> list[ScheduledRow]:
         rows: list[ScheduledRow] = []
-        index = 0
-        while index < len(self.running):
-            seq = self.running[index]
-            if seq.num_computed < len(seq.token_ids) - 1:
-                index += 1  # still prefilling: pass 2
-                continue
-            if not self._make_room(seq, len(seq.token_ids)):
-                continue  # seq itself was preempted (it was the newest): it left `running`
-            rows.append(ScheduledRow(seq, seq.num_computed, 1))
-            index += 1
+        for seq in list(self.running):  # a copy: making room preempts from the tail
+            if seq.status is not Status.RUNNING or seq.num_computed < len(seq.token_ids) - 1:
+                continue  # preempted by an earlier row of this step, or still prefilling (pass 2)
+            if self._make_room(seq, len(seq.token_ids)):  # False: seq itself, the newest, was preempted
+                rows.append(ScheduledRow(seq, seq.num_computed, 1))
         return rows
 
     def _make_room(self, seq: Sequence, n_tokens: int) -> bool:
@@ -407,7 +320,7 @@ class ContinuousScheduler:
                 seq.finish_reason = "stop"
             elif seq.num_generated >= seq.max_new_tokens:
                 seq.finish_reason = "length"
-            if seq.done:
+            if seq.finish_reason is not None:
                 self._retire(seq, now)
 
     def _retire(self, seq: Sequence, now: float) -> None:
@@ -420,25 +333,17 @@ class ContinuousScheduler:
             self.listener.on_finished(seq)
 
     def describe(self) -> dict:
-        s, m = self.stats, self.manager
+        """The scheduler's figures for ``/stats``: its knobs, its queues, the pool's blocks, its counters."""
+        m, steps = self.manager, self.stats.steps
         return {
-            "kv_policy": self.config.kv_policy,
-            "max_num_seqs": self.config.max_num_seqs,
-            "max_num_batched_tokens": self.config.max_num_batched_tokens,
+            **asdict(self.config),
             "running": len(self.running),
             "waiting": len(self.waiting),
             "blocks_total": m.total_blocks,
             "blocks_used": m.used_blocks,
             "blocks_free": m.free_blocks,
             "block_tokens": m.block_tokens,
-            "steps": s.steps,
-            "tokens_computed": s.tokens_computed,
-            "prefill_tokens": s.prefill_tokens,
-            "decode_tokens": s.decode_tokens,
-            "tokens_generated": s.tokens_generated,
-            "tokens_per_step": round(s.tokens_computed / s.steps, 3) if s.steps else None,
-            "preemptions": s.preemptions,
-            "finished": s.finished,
-            "aborted": s.aborted,
+            **asdict(self.stats),
+            "tokens_per_step": round(self.stats.tokens_computed / steps, 3) if steps else None,
             "prefix_cache": m.describe_prefix_cache(),
         }

@@ -11,7 +11,8 @@ sequences join (chunked prefill under a token budget), every running one gets a 
 ones leave at once. The step is ONE packed forward pass of chapter 5's engine (whatever its rule
 chose on this machine) over exactly the tokens it computes
 (:mod:`~chapters.ch08_continuous_batching.model_runner`), and attention reads the paged cache
-through the block tables (:mod:`~chapters.ch08_continuous_batching.paged_attention`, ``--attention``).
+through the block tables (:mod:`~chapters.ch08_continuous_batching.paged_attention`; the backend,
+``--attention``, by :mod:`~chapters.ch08_continuous_batching.attention_choice`).
 Keys and values live in fixed-size blocks of chapter 4's pool (sized by chapter 4's rule for
 ``max_num_seqs`` sequences), one block table per sequence
 (:mod:`~chapters.ch08_continuous_batching.paged_cache`), allocated as the policy says:
@@ -58,17 +59,18 @@ from chapters.ch05_inference_engine.server import EngineOptions, engine_for
 from chapters.ch07_production.request_log import configure_json_logging
 from chapters.ch07_production.server import ProductionOptions, serve
 from chapters.ch07_production.server import build_app as build_production_app
+from chapters.ch08_continuous_batching.attention_choice import ATTENTION_CHOICES, choose_attention
+from chapters.ch08_continuous_batching.attention_gather import GatherAttention
 from chapters.ch08_continuous_batching.continuous_backend import ContinuousBackend, continuous_state
-from chapters.ch08_continuous_batching.step_thread import StepThread
 from chapters.ch08_continuous_batching.continuous_metrics import ContinuousCollector
 from chapters.ch08_continuous_batching.model_runner import ModelRunner, PackedModel, packed_model
 from chapters.ch08_continuous_batching.openai_api import CompletionsApi
-from chapters.ch08_continuous_batching.paged_attention import ATTENTION_CHOICES, BACKENDS, choose_attention
 from chapters.ch08_continuous_batching.paged_cache import KV_CACHE_DTYPES, KV_CACHE_RULE, PagedKVStore, kv_cache_dtype
 from chapters.ch08_continuous_batching.sampled_contract import SAMPLED_CONTRACT
 from chapters.ch08_continuous_batching.scheduler import ContinuousScheduler, KVPolicy, SchedulerConfig
+from chapters.ch08_continuous_batching.step_thread import StepThread
 from chapters.ch08_continuous_batching.streaming import write_sse_stream
-from shared.settings import ServerSettings, parse_settings
+from shared.settings import ServerSettings, parse_settings, refused_flags_exit
 from shared.unwritten import or_meanwhile
 from shared.weights import LoadedModel
 
@@ -81,10 +83,12 @@ class SchedulerOptions(BaseSettings):
 
     model_config = ServerSettings.model_config
 
-    max_num_seqs: int = Field(64, ge=1, description="sequences running at once (rows of a decode step); also the pool rule's concurrency")
-    max_num_batched_tokens: int = Field(512, ge=1, description="tokens one step computes: decodes + prefill chunks (>= max_num_seqs)")
-    kv_policy: KVPolicy = Field("grow", description="grow: blocks as needed, preempt by recompute | reserve: prompt + max_new at admission")
-    attention: ATTENTION_CHOICES = Field("auto", description="paged attention backend: auto (measured, paged_attention.py) | gather | flex | kernel")
+    max_num_seqs: int = Field(SchedulerConfig.max_num_seqs, ge=1,
+                              description="sequences running at once (rows of a decode step); also the pool rule's concurrency")
+    max_num_batched_tokens: int = Field(SchedulerConfig.max_num_batched_tokens, ge=1,
+                                        description="tokens one step computes: decodes + prefill chunks (>= max_num_seqs)")
+    kv_policy: KVPolicy = Field(SchedulerConfig.kv_policy, description="grow: blocks as needed, preempt by recompute | reserve: prompt + max_new at admission")
+    attention: ATTENTION_CHOICES = Field("auto", description="paged attention backend: auto (measured, attention_choice.py) | gather | flex | kernel")
     kv_cache_dtype: KV_CACHE_DTYPES = Field("auto", description=f"dtype of the paged pool's keys and values: {KV_CACHE_RULE} | fp32 | bf16")
     prefix_caching: Literal["on", "off"] = Field(
         "on", description="on: a request reuses the cached KV blocks of a prefix already computed (full blocks, by their tokens) | off")
@@ -92,9 +96,8 @@ class SchedulerOptions(BaseSettings):
     served_model_name: str = Field("", description="the model's name in /v1/models and /v1/completions (empty: the weights' name)")
 
     @model_validator(mode="after")
-    def _budget_covers_decodes(self) -> SchedulerOptions:
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})")
+    def _knobs_agree(self) -> SchedulerOptions:
+        self.scheduler_config()  # SchedulerConfig checks the knobs against each other: one place
         return self
 
     def scheduler_config(self) -> SchedulerConfig:
@@ -108,7 +111,7 @@ class PagedPoolOptions(PoolOptions):
     """Chapter 4's pool knobs, with the block size this chapter measured, as chapter 6 retunes chapter 3's
     batcher: a decode step reads every running sequence's blocks from memory, and one core reads a few
     long runs faster than many short ones scattered over the pool
-    (``benchmarks/reference/cpu/ch08/kernel-floor/``, ``side-by-side-avx2-blocks/``). vLLM's CPU
+    (``benchmarks/studies/kernel_floor/``, ``benchmarks/reference/cpu/ch08/side-by-side-avx2-blocks/``). vLLM's CPU
     backend uses 128 with its own kernels. The price is coarser prefix sharing (whole blocks only)."""
 
     block_tokens: int = Field(128, ge=1, description=PoolOptions.model_fields["block_tokens"].description)
@@ -152,7 +155,7 @@ def build_backend(settings: ContinuousSettings, loaded: LoadedModel,
         plan.rule, settings.kv_policy, settings.prefix_caching,
     )
     attention = or_meanwhile(lambda: choose_attention(settings.attention, store, model, settings.max_num_seqs),
-                             lambda: BACKENDS["gather"](store), "attention is gather, not warmed up")
+                             lambda: GatherAttention(store), "attention is gather, not warmed up")
     scheduler = ContinuousScheduler(store, settings.scheduler_config())
     runner = ModelRunner(wrap_model(model) if wrap_model else model, store, attention)
     description = {"model": loaded.source, "kv_policy": settings.kv_policy, "prefix_caching": settings.prefix_caching, "pool_rule": plan.rule,
@@ -175,9 +178,12 @@ def build_app(settings: ContinuousSettings, wrap_model: Callable[[PackedModel], 
 
 
 def main(argv: list[str] | None = None) -> None:
-    settings = parse_settings(ContinuousSettings, argv, prog="python -m chapters.ch08_continuous_batching")
+    prog = "python -m chapters.ch08_continuous_batching"
+    settings = parse_settings(ContinuousSettings, argv, prog=prog)
     configure_json_logging(settings.log_level)
-    serve(build_app(settings), settings)
+    with refused_flags_exit(prog):  # a flag judged against the loaded model: one line, exit 2
+        app = build_app(settings)
+    serve(app, settings)
 
 
 if __name__ == "__main__":

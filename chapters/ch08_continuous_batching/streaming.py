@@ -97,7 +97,7 @@ class EventRuns:
     """A stream's token events grouped into writes: the first alone, then ``stream_interval`` per write.
 
     The step thread hands a sequence's tokens to the loop in the same runs
-    (:class:`~chapters.ch08_continuous_batching.step_thread._StepListener`), so a write goes out as
+    (:class:`~chapters.ch08_continuous_batching.request_stream.StreamListener`), so a write goes out as
     soon as the run that completes it arrives. Whatever is held goes out with the stream's last event.
     """
 

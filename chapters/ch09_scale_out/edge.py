@@ -22,7 +22,9 @@ sets it before Ray starts, and ``deploy/`` sets it for a cluster). It keeps the 
   router (:mod:`~chapters.ch09_scale_out.routing`);
 - if that fails too, the client gets the contract's JSON 500 ``replica_failed``; a stream that was
   cut gets its closing error event (``event: error`` on ``/v1/inference``, OpenAI's
-  ``data: {"error": ...}`` on the OpenAI routes) and a proper end.
+  ``data: {"error": ...}`` on the OpenAI routes) and a proper end;
+- every answer leaves with one ``X-Request-ID`` (Serve's proxy adds its own to the app's:
+  :func:`one_request_id`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ log = logging.getLogger("chapters.ch09_scale_out.edge")
 REPLAY_LIMIT_BYTES = 1 << 20  # a request body kept for one replay; the contract's bodies are far smaller
 SERVE_ERROR_TYPES = {404: "not_found", 408: "deadline_exceeded", 429: "overloaded", 500: "replica_failed", 503: "unavailable"}
 ATTEMPTS_HEADER = b"x-attempts"
+REQUEST_ID_HEADER = b"x-request-id"
 REPLICA_FAILED = "the replica serving this request stopped before it finished (its process ended); retry it"
 
 
@@ -106,6 +109,25 @@ class _ReplayableBody:
         return receive
 
 
+def one_request_id(headers: list) -> list:
+    """The answer's headers with one ``X-Request-ID``: the first, which is the app's own.
+
+    Serve's proxy wraps every app in its ``RequestIdMiddleware``, which appends its own ``X-Request-ID``
+    to the app's answer; chapter 7's app already sends one. The two agree when Serve's id (the
+    client's, or one Serve made) is a token chapter 7 accepts, and differ when chapter 7 replaced a
+    client's odd one. The app's is the one its body and its JSON log lines name, and it comes first
+    because Serve appends; Serve's own refusals carry only Serve's.
+    """
+    kept, seen = [], False
+    for name, value in headers:
+        if bytes(name).lower() == REQUEST_ID_HEADER:
+            if seen:
+                continue
+            seen = True
+        kept.append((name, value))
+    return kept
+
+
 def with_token_budget(scope: dict, body: bytes | None) -> dict:
     """The scope with the request's token budget in its headers, for the router; a client's own is dropped."""
     headers = [(k, v) for k, v in scope.get("headers", []) if bytes(k).lower() != TOKEN_BUDGET_HEADER]
@@ -147,7 +169,8 @@ class ContractAtTheEdge:
 
         async def keep_the_contract(message: dict) -> None:
             if message["type"] == "http.response.start":
-                headers = dict(message.get("headers") or [])
+                message = {**message, "headers": one_request_id(message.get("headers") or [])}
+                headers = dict(message["headers"])
                 content_type = bytes(headers.get(b"content-type", b""))
                 if message["status"] >= 400 and content_type.startswith(b"text/plain"):
                     attempt.held = message  # Serve's own refusal: rewritten once its body is here

@@ -30,7 +30,7 @@ def plot_scaling(results: Mapping[str, Any], ax_p99: Axes, ax_goodput: Axes, *, 
                  utilisation: float = 0.85, routers: Sequence[str] | None = None, ttft: bool = True) -> None:
     """P99 latency and goodput against the number of replicas, one line per router.
 
-    ``results``: the document ``python -m chapters.ch09_scale_out.simulation run`` writes. On
+    ``results``: the document the study ``python -m benchmarks.studies.scale_out_simulation.sweep`` writes. On
     ``ax_p99``: P99 of the whole answer (solid) and, with ``ttft``, P99 of the time to first
     token (dotted), in seconds, log scale. On ``ax_goodput``: goodput per replica (requests/s
     within the SLO), with the offered rate per replica dashed in grey: the gap is what missed the SLO.

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# The GPU figures in one command, sized for a 10-minute lease of a CUDA machine that already has a
+# CUDA build of torch and this project's dependencies (nvidia-ml-py too: the harness samples GPU
+# utilisation with it at every level). Steps, each under its own time limit so one that hangs
+# cannot take the others' results with it:
+#
+#   1. the machine (nvidia-smi, torch, CUDA);
+#   2. chapter 5's auto engine choice, measured once on the gpu profile's model, so the chapters
+#      that build an engine (ch05 on) read it from the engine cache instead of measuring at start-up;
+#   3. the gpu profile, one chapter at a time, for every chapter in chapters.CHAPTERS;
+#   4. the table and plots from whatever chapters finished, and GPU utilisation per level beside the
+#      article's (gpu_util.txt);
+#   5. the trade-off table on CUDA (python -m benchmarks.harness.tradeoffs).
+#
+# Everything lands in OUTDIR, and OUTDIR.tgz packs it (also when a step fails or the lease ends).
+#
+#   bash benchmarks/harness/gpu_climb.sh OUTDIR
+#
+# Limits (seconds, environment): CHOICE_LIMIT_S, CHAPTER_LIMIT_S (each chapter), TRADEOFFS_LIMIT_S;
+# CHAPTERS=ch04,ch05 runs only those. The defaults add up to about 9 minutes for eight chapters.
+# To commit the climb as the reference: cp OUTDIR/climb/ch0?.json benchmarks/reference/gpu/ &&
+#   python -m benchmarks report --profile gpu --reference && python -m benchmarks readme
+set -u
+out=${1:?usage: bash benchmarks/harness/gpu_climb.sh OUTDIR}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+python=${PYTHON:-python3}
+started=$(date +%s)
+step() { echo "== $(( $(date +%s) - started )) s: $*"; }
+# SIGINT first: the harness stops the chapter server it started on KeyboardInterrupt; KILL 15 s later.
+limited() { local limit=$1; shift; timeout -s INT -k 15 "$limit" "$@"; }
+
+pack() { tar czf "$out.tgz" -C "$(dirname "$out")" "$(basename "$out")"; }
+trap pack EXIT
+
+step "machine"
+{ nvidia-smi; "$python" -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))"
+  "$python" -c "import pynvml; print('nvidia-ml-py', pynvml.__version__ if hasattr(pynvml, '__version__') else 'present')" \
+    || echo "nvidia-ml-py missing: no GPU utilisation will be recorded (pip install nvidia-ml-py)"; } \
+  > "$out/machine.txt" 2>&1
+cat "$out/machine.txt"
+
+step "auto engine choice on the gpu profile's model (at most ${CHOICE_LIMIT_S:=75} s)"
+# Same weights, device and thread count as the chapter servers, so the cached choice's key matches.
+limited "$CHOICE_LIMIT_S" "$python" - "${SFS_BENCH_GPT2_WEIGHTS:-dummy}" > "$out/engine_choice.log" 2>&1 <<'EOF'
+import json, logging, sys
+import torch
+logging.basicConfig(level=logging.INFO)
+torch.set_num_threads(1)
+from chapters.ch05_inference_engine.engines import choose_default
+from shared.weights import load_model
+model = load_model(sys.argv[1], "gpt2", "cuda").model
+print(json.dumps({"chosen": choose_default(model)}))
+EOF
+tail -n 20 "$out/engine_choice.log"
+
+chapters=${CHAPTERS:-$("$python" -c "from chapters import CHAPTERS; print(','.join(CHAPTERS))")}
+for chapter in ${chapters//,/ }; do
+  step "climb, gpu profile, $chapter (at most ${CHAPTER_LIMIT_S:=50} s)"
+  limited "$CHAPTER_LIMIT_S" "$python" -m benchmarks climb --profile gpu --chapters "$chapter" --out "$out/climb" \
+    > "$out/climb-$chapter.log" 2>&1
+  echo "exit $? (124: stopped by its limit)"; tail -n 8 "$out/climb-$chapter.log"
+done
+
+step "table, plots and GPU utilisation per level"
+"$python" -m benchmarks report --profile gpu --out "$out/climb" > "$out/report.log" 2>&1 || true
+tail -n 30 "$out/report.log"
+"$python" - "$out/climb" > "$out/gpu_util.txt" 2>&1 <<'EOF'
+import json, sys
+from pathlib import Path
+from benchmarks.harness.article import ARTICLE
+print(f"{'chapter':8} {'users':>5} {'QPS':>8} {'P99 s':>7} {'GPU %':>6}   article: QPS, P99 s, GPU %")
+for path in sorted(Path(sys.argv[1]).glob("ch*.json")):
+    result = json.loads(path.read_text())
+    chapter, article = result["chapter"], ARTICLE.get(result["chapter"])
+    cited = f"{article.qps:g}, {article.p99_s:g}, {article.gpu_util_percent:g}" if article else "-"
+    for level in result["levels"]:
+        p99 = (level.get("latency_ms") or {}).get("p99")
+        util = level.get("gpu_util_percent_mean")
+        print(f"{chapter:8} {level['users']:>5} {level['qps']:>8.1f} {p99 / 1e3 if p99 else float('nan'):>7.3f} "
+              f"{util if util is not None else float('nan'):>6.1f}   {cited}")
+EOF
+cat "$out/gpu_util.txt"
+
+step "trade-off table on CUDA, tiny default model (at most ${TRADEOFFS_LIMIT_S:=80} s)"
+limited "$TRADEOFFS_LIMIT_S" "$python" -m benchmarks.harness.tradeoffs --device cuda \
+  --engines eager cudagraph onnxruntime tensorrt --out "$out/tradeoffs" > "$out/tradeoffs.log" 2>&1
+echo "exit $?"; tail -n 30 "$out/tradeoffs.log"
+
+step "done"

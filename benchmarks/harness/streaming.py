@@ -1,0 +1,412 @@
+"""Streaming measurement: time to first token, time per output token, inter-token latency, goodput.
+
+The Locust harness measures whole responses. A streaming server is felt token by token, so this
+client reads each response as it arrives and records when every token came, with vLLM's benchmark
+definitions (``benchmarks/benchmark_serving.py`` there):
+
+- **TTFT**, time to first token: from sending the request to receiving its first token;
+- **TPOT**, time per output token: ``(E2E - TTFT) / (output tokens - 1)`` per request (the first
+  token excluded), for requests of more than one token;
+- **ITL**, inter-token latency: every gap between two consecutive tokens of a request, all pooled;
+- **E2E**: from sending to the last byte;
+- **goodput**: completed requests per second that met every SLO given (TTFT, TPOT, E2E).
+
+A server that does not stream (chapters 1-7) is measured the same way with ``--no-stream``: its
+first token arrives with its last, so its TTFT is its E2E and TPOT/ITL are not defined.
+
+The client is aiohttp, as vLLM's benchmark client is, one session with a connection per user kept
+alive. It was httpx until the side-by-side rounds showed TTFT tails of seconds on ``default`` that
+were not the server's: a model-free streaming server under the httpx client had them too (its
+handler entered seconds after the request was sent, with either of uvicorn's HTTP parsers), and
+they vanished without keep-alive or with aiohttp (``benchmarks/studies/stream_stalls/``). Its ceiling on this machine: ``run`` against
+``python -m benchmarks.harness.trivial_server``, which streams when asked.
+
+The ``mixed`` workload is the article's prompts (16/32/64/128 tokens) with new tokens drawn from 8 to
+256, log-uniform (most answers short, a long tail): the mix where a request-level batch is held by
+its longest member. ``default`` is the climb's (32 new tokens) and ``shared-prefix`` the harness's
+prefix-reuse mix (a few long prefixes shared by every request, short distinct suffixes; defined, with
+its mix, in ``benchmarks/harness/workload.py``). Closed loop: ``--users`` clients each send their next request
+when the last one ends, for ``--duration-s`` seconds; loopback only, bounded in time.
+
+    python -m benchmarks.harness.streaming run --url http://127.0.0.1:8000 --users 32 --duration-s 20
+    python -m benchmarks.harness.streaming compare --chapters ch06 ch08 --users 32 --duration-s 20 \
+        --out benchmarks/reference/cpu/streaming/mixed.json
+
+``compare`` runs every chapter at the same number of users (equal load); its JSON, one file per
+workload under ``<results dir>/streaming/``, is what ``notebooks/ch08_continuous_batching.ipynb`` plots.
+``--profile cpu`` gives every server what the climb gives it (the profile's model flags, one torch
+thread, its thread variables, pinned to the server's cores) and pins this client to the load
+generator's core, so its figures compare with the climb's; without it, each server runs at its own
+defaults and shares every core with the client. The JSON records which (``harness``).
+
+``--variant LABEL=CHAPTER:FLAGS`` adds a chapter run with flags of its own under its own label (after
+``--server-args``, so its flags win), to compare settings of one chapter; ``--rounds N`` runs every
+server N times, round by round (in reverse order every other round), and keeps each one's median-QPS round (every round under its ``rounds``), as
+the climb's repeats do. Chapter 8 with prefix caching on and off, one file per workload
+(``shared-prefix``, then ``default`` and ``mixed``, where caching should cost nothing), read by the
+README block ``ch08-prefix-caching``:
+
+    python -m benchmarks.harness.streaming compare --profile cpu --variant caching-on=ch08:--prefix-caching=on \
+        --variant caching-off=ch08:--prefix-caching=off --server-args '--precision=fp32 --attention=flex' \
+        --workload shared-prefix --users 32 --duration-s 20 --rounds 3 \
+        --out benchmarks/reference/cpu/ch08/prefix-caching/shared-prefix.json
+
+(the same with ``--workload default`` and ``--workload mixed``, each to its own ``<workload>.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import random
+import re
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from benchmarks.harness.results import print_and_save
+from benchmarks.harness.server_stats import server_choices
+from benchmarks.harness.workload import PROMPT_ID_RANGE, PROMPT_LENGTHS
+from benchmarks.harness.workload import WORKLOADS as HARNESS_WORKLOADS
+
+MIXED_MIN_NEW, MIXED_MAX_NEW = 8, 256
+
+
+def mixed_body(rng: random.Random) -> dict[str, Any]:
+    """One request of the ``mixed`` workload: an article-mix prompt, 8..256 new tokens (log-uniform)."""
+    length = rng.choice(PROMPT_LENGTHS)
+    new_tokens = round(MIXED_MIN_NEW * (MIXED_MAX_NEW / MIXED_MIN_NEW) ** rng.random())
+    return {"input_ids": [rng.randrange(PROMPT_ID_RANGE) for _ in range(length)], "max_new_tokens": new_tokens}
+
+
+def default_body(rng: random.Random) -> dict[str, Any]:
+    """The climb's default workload: article-mix prompt, 32 new tokens."""
+    length = rng.choice(PROMPT_LENGTHS)
+    return {"input_ids": [rng.randrange(PROMPT_ID_RANGE) for _ in range(length)], "max_new_tokens": 32}
+
+
+# shared-prefix: the Locust harness's own definition, so both clients send the same prompts for a seed.
+WORKLOADS = {"mixed": mixed_body, "default": default_body, "shared-prefix": HARNESS_WORKLOADS["shared-prefix"].body}
+
+# The prefix-caching comparison of chapter 8: its labels, the flag each gives the server, where its files go.
+PREFIX_CACHING_VARIANTS = {"caching-on": "--prefix-caching=on", "caching-off": "--prefix-caching=off"}
+PREFIX_CACHING_DIR = "ch08/prefix-caching"
+PREFIX_CACHING_WORKLOADS = ("shared-prefix", "default", "mixed")
+# Both variants run the same engine and attention: chapter 8's start-up rules measure and choose both
+# (chapter 5's bf16 crossover, flex against gather), and on a noisy machine two servers may choose apart,
+# which would be measured as a difference of caching.
+PREFIX_CACHING_PINNED = "--precision=fp32 --attention=flex"
+
+
+def prefix_caching_command(workload: str, results_dir: str = "benchmarks/reference/cpu") -> str:
+    """The command that records chapter 8 with prefix caching on and off on ``workload`` (one file)."""
+    variants = " ".join(f"--variant {label}=ch08:{flag}" for label, flag in PREFIX_CACHING_VARIANTS.items())
+    return (f"python -m benchmarks.harness.streaming compare --profile cpu {variants} --server-args {shlex.quote(PREFIX_CACHING_PINNED)} "
+            f"--workload {workload} --users 32 "
+            f"--duration-s 20 --rounds 3 --out {results_dir}/{PREFIX_CACHING_DIR}/{workload}.json")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One server ``compare`` measures: ``chapter`` started with ``flags`` of its own, reported under ``label``."""
+
+    label: str
+    chapter: str
+    flags: tuple[str, ...] = ()
+
+    @property
+    def streams(self) -> bool:
+        return self.chapter == "ch08"
+
+
+def parse_variant(text: str) -> Variant:
+    """``LABEL=CHAPTER[:FLAGS]`` -> a :class:`Variant` (``caching-off=ch08:--prefix-caching=off``; FLAGS split as a
+    shell would, so ``"x=ch08:--a 1 --b 2"`` works quoted). Raises ``argparse.ArgumentTypeError`` when malformed."""
+    label, equals, rest = text.partition("=")
+    chapter, _, flags = rest.partition(":")
+    if not equals or not re.fullmatch(r"[A-Za-z0-9_.\-]+", label) or not re.fullmatch(r"ch\d\d", chapter):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected LABEL=CHAPTER[:FLAGS], e.g. caching-off=ch08:--prefix-caching=off")
+    try:
+        return Variant(label, chapter, tuple(shlex.split(flags)))
+    except ValueError as error:  # an unbalanced quote
+        raise argparse.ArgumentTypeError(f"{text!r}: {error}") from None
+
+
+def planned_variants(chapters: list[str] | None, variants: list[Variant]) -> list[Variant]:
+    """The servers ``compare`` runs, in order: each of ``chapters`` at its defaults, then ``variants``;
+    ch06 and ch08 when neither is given. Raises ValueError when two share a label."""
+    plan = [Variant(chapter, chapter) for chapter in (chapters or ([] if variants else ["ch06", "ch08"]))] + variants
+    labels = [variant.label for variant in plan]
+    if duplicates := sorted({label for label in labels if labels.count(label) > 1}):
+        raise ValueError(f"every server compared needs its own label; repeated: {', '.join(duplicates)}")
+    return plan
+
+
+def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """A server's figures over ``rounds`` (each a :func:`summarize`): the round of median QPS (the lower
+    middle one for an even count), plus every round under ``rounds`` when there were several."""
+    if len(rounds) == 1:
+        return rounds[0]
+    kept = sorted(rounds, key=lambda run: run["qps"])[(len(rounds) - 1) // 2]
+    return {**kept, "rounds": rounds}
+
+
+@dataclass
+class RequestRecord:
+    sent: float
+    status: int
+    token_times: list[float] = field(default_factory=list)  # arrival time of each token (s, same clock as sent)
+    ended: float = 0.0
+    output_tokens: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.output_tokens > 0
+
+    @property
+    def ttft(self) -> float:
+        return (self.token_times[0] if self.token_times else self.ended) - self.sent
+
+    @property
+    def e2e(self) -> float:
+        return self.ended - self.sent
+
+    @property
+    def tpot(self) -> float | None:
+        if len(self.token_times) < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+async def _one_request(session: aiohttp.ClientSession, url: str, body: dict, stream: bool) -> RequestRecord:
+    record = RequestRecord(sent=time.perf_counter(), status=0)
+    try:
+        if stream:
+            async with session.post(url, json={**body, "stream": True}) as response:
+                record.status = response.status
+                async for line in response.content:  # one server-sent-event line at a time
+                    if line.startswith(b"event: token"):
+                        record.token_times.append(time.perf_counter())
+                    elif line.startswith(b"event: error"):
+                        record.status = 500
+            record.output_tokens = len(record.token_times)
+        else:
+            async with session.post(url, json=body) as response:
+                record.status = response.status
+                if response.status == 200:
+                    record.output_tokens = len((await response.json())["output_ids"])
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):  # ValueError: a line past aiohttp's limit
+        record.status = -1
+    record.ended = time.perf_counter()
+    return record
+
+
+async def run_closed_loop(url: str, users: int, duration_s: float, workload: str, stream: bool, seed: int = 1234,
+                          request_timeout_s: float = 120.0) -> tuple[list[RequestRecord], float]:
+    """``users`` clients in a loop for ``duration_s``; returns every record and the measured window (s)."""
+    make_body = WORKLOADS[workload]
+    records: list[RequestRecord] = []
+    started = time.perf_counter()
+    stop_at = started + duration_s
+    endpoint = f"{url.rstrip('/')}/v1/inference"
+
+    async def user(index: int) -> None:
+        rng = random.Random(seed * 1_000_003 + index)
+        while time.perf_counter() < stop_at:
+            records.append(await _one_request(session, endpoint, make_body(rng), stream))
+
+    connector = aiohttp.TCPConnector(limit=users)  # a kept-alive connection per user
+    timeout = aiohttp.ClientTimeout(total=request_timeout_s)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        await asyncio.gather(*(user(i) for i in range(users)))
+    return records, time.perf_counter() - started
+
+
+def _percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "p50": None, "p99": None}
+    ordered = sorted(values)
+    p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+    return {"mean": statistics.fmean(ordered) * 1e3, "p50": statistics.median(ordered) * 1e3, "p99": p99 * 1e3}
+
+
+def summarize(records: list[RequestRecord], window_s: float, slo_ttft_ms: float | None, slo_tpot_ms: float | None,
+              slo_e2e_ms: float | None) -> dict[str, Any]:
+    """Throughput, the four latencies (milliseconds: mean, p50, p99) and goodput at the SLOs given."""
+    ok = [r for r in records if r.ok]
+
+    def meets_slo(r: RequestRecord) -> bool:
+        tpot = r.tpot
+        return ((slo_ttft_ms is None or r.ttft * 1e3 <= slo_ttft_ms)
+                and (slo_tpot_ms is None or tpot is None or tpot * 1e3 <= slo_tpot_ms)
+                and (slo_e2e_ms is None or r.e2e * 1e3 <= slo_e2e_ms))
+
+    errors: dict[str, int] = {}
+    for r in records:
+        if not r.ok:
+            errors[str(r.status)] = errors.get(str(r.status), 0) + 1
+    streamed = any(r.token_times for r in ok)
+    return {
+        "requests": len(records),
+        "completed": len(ok),
+        "errors": errors,
+        "window_s": round(window_s, 3),
+        "qps": len(ok) / window_s,
+        "output_tokens_per_s": sum(r.output_tokens for r in ok) / window_s,
+        "ttft_ms": _percentiles([r.ttft for r in ok]),
+        "tpot_ms": _percentiles([t for r in ok if (t := r.tpot) is not None]) if streamed else None,
+        "itl_ms": _percentiles([gap for r in ok for gap in r.itls()]) if streamed else None,
+        "e2e_ms": _percentiles([r.e2e for r in ok]),
+        "slo": {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms, "e2e_ms": slo_e2e_ms},
+        "goodput_qps": sum(1 for r in ok if meets_slo(r)) / window_s,
+    }
+
+
+def compare_document(workload: str, users: int, duration_s: float, chapters: dict[str, dict[str, Any]],
+                     command: str, server_args: str = "", harness: dict[str, Any] | None = None,
+                     variants: list[Variant] | None = None, rounds: int = 1) -> dict[str, Any]:
+    """The JSON ``compare`` writes: each server's :func:`summarize` (plus ``streamed``) at the same load,
+    keyed by its label (a chapter's id unless it is a ``--variant``), its :func:`median_round` when ``rounds`` > 1.
+
+    ``harness``: how the servers ran (:func:`harness_settings`); absent in files written before it was
+    recorded, which ran every server at its defaults, unpinned. ``variants``: each label's chapter and own
+    flags; ``rounds``: how many times each server ran. Both absent in files written before they were
+    recorded: one round, every label a chapter at its defaults."""
+    document = {"kind": "streaming-compare", "schema": 1, "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
+                "command": command, "workload": workload, "users": users, "duration_s": duration_s,
+                "server_args": server_args, "harness": harness or unpinned_harness(), "rounds": rounds, "chapters": chapters}
+    if variants is not None:
+        document["variants"] = {v.label: {"chapter": v.chapter, "flags": shlex.join(v.flags)} for v in variants}
+    return document
+
+
+def unpinned_harness() -> dict[str, Any]:
+    """What ``compare`` without ``--profile`` does (and what every file before ``harness`` was recorded did)."""
+    return {"profile": None, "pinning": False, "server_cores": None, "client_cores": None, "server_env": {},
+            "git_commit": None}
+
+
+_CORE_PLANS: dict[str, tuple[list[int] | None, list[int] | None]] = {}  # profile -> (server, client) cores, this process's
+
+
+def harness_settings(profile_name: str | None) -> tuple[dict[str, Any], list[str], dict[str, str]]:
+    """``(the document's harness block, flags for every server, environment for every server)`` for a profile.
+
+    With a profile: its model flags, torch threads and thread variables, and its core plan (the client
+    pins itself to the load generator's cores here). Without one: nothing added, nothing pinned.
+    """
+    if profile_name is None:
+        return unpinned_harness(), [], {}
+    import os
+
+    from benchmarks.harness.environment import cpu_description, git_state
+    from benchmarks.harness.profiles import get_profile
+
+    profile = get_profile(profile_name)
+    # Planned once per process: once this client has pinned itself, its own affinity (which the plan
+    # reads) is the load generator's core alone, and a second plan would pin no server at all.
+    if profile.name not in _CORE_PLANS:
+        _CORE_PLANS[profile.name] = profile.core_plan()
+    server_cores, client_cores = _CORE_PLANS[profile.name]
+    if client_cores:
+        os.sched_setaffinity(0, set(client_cores))
+    commit, dirty = git_state()
+    harness = {"profile": profile.name, "pinning": bool(server_cores), "server_cores": server_cores,
+               "client_cores": client_cores, "server_env": profile.server_env(), "git_commit": commit, "git_dirty": dirty,
+               "cpu": cpu_description()}
+    return harness, profile.server_args(), profile.server_env()
+
+
+def describe_harness(harness: dict[str, Any] | None) -> str:
+    """One sentence on how a comparison ran, for the tables that quote it."""
+    harness = harness or unpinned_harness()
+    if not harness.get("profile"):
+        return "every server at its own defaults; client and server unpinned, sharing every core"
+    where = (f"server pinned to cores {harness['server_cores']}, client to {harness['client_cores']}" if harness["pinning"]
+             else "no core pinning (fewer than two cores)")
+    machine = f"; CPU: {harness['cpu']}" if harness.get("cpu") else ""  # recorded since the rounds ran on more than one machine
+    return f"the climb's `{harness['profile']}` profile settings for every server; {where}{machine}"
+
+
+def _run(args: argparse.Namespace, url: str, stream: bool) -> dict[str, Any]:
+    # A short warm-up (first allocations, lazy kernels) that is not measured.
+    asyncio.run(run_closed_loop(url, min(args.users, 4), min(2.0, args.duration_s), args.workload, stream, seed=args.seed + 1))
+    records, window = asyncio.run(run_closed_loop(url, args.users, args.duration_s, args.workload, stream, seed=args.seed))
+    return summarize(records, window, args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.harness.streaming", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("run", "compare"):
+        p = sub.add_parser(name)
+        p.add_argument("--users", type=int, default=32)
+        p.add_argument("--duration-s", type=float, default=20.0)
+        p.add_argument("--workload", choices=sorted(WORKLOADS), default="mixed")
+        p.add_argument("--seed", type=int, default=1234)
+        p.add_argument("--slo-ttft-ms", type=float, default=None)
+        p.add_argument("--slo-tpot-ms", type=float, default=None)
+        p.add_argument("--slo-e2e-ms", type=float, default=None)
+        p.add_argument("--out", type=Path, default=None, help="write the JSON here as well")
+    run = sub.choices["run"]
+    run.add_argument("--url", required=True, help="a server on loopback, e.g. http://127.0.0.1:8000")
+    run.add_argument("--no-stream", action="store_true", help="the server does not stream: time whole responses")
+    compare = sub.choices["compare"]
+    compare.add_argument("--chapters", nargs="+", default=None, help="chapters at their defaults (ch06 ch08 when no --variant)")
+    compare.add_argument("--variant", type=parse_variant, action="append", default=[], metavar="LABEL=CHAPTER[:FLAGS]",
+                         help="a chapter with flags of its own, e.g. caching-off=ch08:--prefix-caching=off (repeatable)")
+    compare.add_argument("--no-stream", action="store_true",
+                         help="ask every server for whole answers, chapter 8 too (what streaming each token costs it)")
+    compare.add_argument("--rounds", type=int, default=1, help="run every server this many times, round by round (reversed every other round)")
+    compare.add_argument("--server-args", default="", help="extra flags for every server")
+    compare.add_argument("--profile", choices=("cpu",), default=None,
+                         help="run every server as the climb's profile does (flags, threads, pinned cores)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    if args.users < 1 or args.duration_s <= 0 or getattr(args, "rounds", 1) < 1:
+        parser.error("--users and --rounds must be at least 1 and --duration-s positive")
+
+    if args.command == "run":
+        if not args.url.startswith(("http://127.0.0.1", "http://localhost", "http://[::1]")):
+            parser.error("--url must be on loopback")
+        result: dict[str, Any] = {"url": args.url, "workload": args.workload, "users": args.users, **_run(args, args.url, not args.no_stream)}
+    else:
+        from benchmarks.harness.server_process import running_module
+        from chapters import module_for
+
+        try:
+            plan = planned_variants(args.chapters, args.variant)
+            modules = {variant.label: module_for(variant.chapter) for variant in plan}
+        except (KeyError, ValueError) as error:
+            parser.error(error.args[0])
+        harness, profile_args, server_env = harness_settings(args.profile)
+        result = compare_document(args.workload, args.users, args.duration_s, {}, "python -m benchmarks.harness.streaming " + shlex.join(argv),
+                                  args.server_args, harness, plan, args.rounds)
+        runs: dict[str, list[dict[str, Any]]] = {variant.label: [] for variant in plan}
+        for index in range(args.rounds):  # every server once per round, so slow drift of a shared machine hits them all
+            # and in reverse order every other round, so that going first or last is not one server's lot
+            for variant in plan if index % 2 == 0 else plan[::-1]:
+                flags = [*profile_args, *args.server_args.split(), *variant.flags]
+                with running_module(modules[variant.label], flags, name=variant.label, env=server_env,
+                                    cpu_cores=harness["server_cores"]) as server:
+                    stream = variant.streams and not args.no_stream
+                    record = {"streamed": stream, **_run(args, server.url, stream)}
+                    record.update(server_choices(server.url))
+                    runs[variant.label].append(record)
+        result["chapters"] = {label: median_round(rounds) for label, rounds in runs.items()}
+    print_and_save(result, args.out)
+
+
+if __name__ == "__main__":
+    main()

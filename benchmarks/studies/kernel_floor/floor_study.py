@@ -1,0 +1,141 @@
+"""How close the decode kernel runs to the memory floor of what it reads, and what the block layout costs.
+
+The decode attention of a served `mixed` step reads every running sequence's keys and values from
+memory (the caches cannot hold them), so its time is set by how fast one core reads them where
+they lie. Three questions, each answered in one process with its cases taking turns, on fp32 pools
+(what a machine without native bf16 serves):
+
+- the **floor**: the committed kernel against a build of the same source whose arithmetic is taken
+  out (every load and prefetch kept, no products, no exponentials): the time of the reads alone;
+- the **layout**: each row's blocks scattered at random over the pool (as a busy pool hands them
+  out) against the same blocks in order (as if each sequence's blocks were contiguous);
+- the **block size**: 16 tokens (chapter 4's, and chapter 8's before this study) against 64 and 128
+  (chapter 8's since; vLLM's CPU backend's with its own kernels), scattered; and 128 in order, what a
+  pool that kept each sequence's blocks together would add at that size.
+
+Four layers' pools are visited in turn with a 32 MB read between two calls (the weights a step reads
+between two attentions), so that no call finds the previous call's rows in the caches, as in a
+served step. The machine's contiguous read rate (a sum over 256 MB) is printed for scale. From the
+repository root, one core, as the servers run:
+
+    PYTHONPATH=. taskset -c 0 python benchmarks/studies/kernel_floor/floor_study.py \
+        > benchmarks/studies/kernel_floor/results.txt
+"""
+
+from __future__ import annotations
+
+import ctypes
+import random
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.harness.environment import cpu_description
+from chapters.ch08_continuous_batching.attention_kernel import KERNEL_ARGUMENTS, KERNEL_FLAGS, KERNEL_SOURCE
+
+ROWS, HEADS, HEAD_DIM, LAYERS, POOL_TOKENS, ROUNDS, STEPS = 64, 4, 64, 4, 2458 * 16, 9, 5
+WORKLOADS = {"default-like": (20, 155), "mixed-like": (20, 305)}
+# The build without arithmetic: the same loads, each only added up.
+READS_ONLY = {
+    "partial[j] += qh[d + j] * LOAD(kh[d + j]);": "partial[j] += LOAD(kh[d + j]);",
+    "row[t] = expf(row[t] - highest[h]);": "row[t] = row[t];",
+    "o[d] += weight * LOAD(vh[d]);": "o[d] += LOAD(vh[d]);",
+}
+
+
+def build(directory: Path, name: str, source: str):
+    path = directory / f"{name}.c"
+    path.write_text(source)
+    target = directory / f"{name}.so"
+    subprocess.run(["cc", *KERNEL_FLAGS, "-o", str(target), str(path), "-lm"], check=True)
+    function = ctypes.CDLL(str(target)).paged_decode_fp32
+    function.argtypes, function.restype = KERNEL_ARGUMENTS, None
+    return function
+
+
+def reads_only_source() -> str:
+    source = KERNEL_SOURCE.read_text()
+    for old, new in READS_ONLY.items():
+        assert old in source, f"paged_decode.c changed: {old!r} not found"
+        source = source.replace(old, new)
+    return source
+
+
+class Case:
+    """64 decode rows over four layers' fp32 pools; each row's blocks scattered or in order."""
+
+    def __init__(self, contexts: tuple[int, int], block: int, scattered: bool, seed: int = 0) -> None:
+        rng = random.Random(seed)
+        self.lens = [rng.randint(*contexts) for _ in range(ROWS)]
+        self.block, blocks = block, POOL_TOKENS // block
+        self.width = max(-(-n // block) for n in self.lens)
+        free = list(range(blocks))
+        if scattered:
+            rng.shuffle(free)
+        self.tables = torch.zeros(ROWS, self.width, dtype=torch.int32)
+        at = 0
+        for row, n in enumerate(self.lens):
+            for column in range(-(-n // block)):
+                self.tables[row, column] = free[at]
+                at += 1
+        self.slots = torch.tensor([int(self.tables[r, (n - 1) // block]) * block + (n - 1) % block for r, n in enumerate(self.lens)])
+        generator = torch.Generator().manual_seed(seed)
+        self.layers = [[torch.randn(POOL_TOKENS, HEADS * HEAD_DIM, generator=generator) * 0.5 for _ in range(2)] for _ in range(LAYERS)]
+        self.qkv = torch.randn(ROWS, 3 * HEADS * HEAD_DIM, generator=generator)
+        self.bytes_read = sum(self.lens) * HEADS * HEAD_DIM * 4 * 2  # keys and values, fp32
+
+
+def ms_per_layer(kernel, case: Case, sweep: torch.Tensor) -> float:
+    out, scratch = torch.zeros(ROWS, HEADS, HEAD_DIM), torch.empty(HEADS * max(case.lens))
+    lens, stride, pointer = torch.tensor(case.lens, dtype=torch.int32), HEADS * HEAD_DIM, case.qkv.data_ptr()
+    total = 0.0
+    for _ in range(STEPS):
+        for keys, values in case.layers:
+            sweep.sum()
+            started = time.perf_counter()
+            kernel(pointer, pointer + 4 * stride, pointer + 8 * stride, 3 * stride, HEAD_DIM, case.slots.data_ptr(),
+                   keys.data_ptr(), values.data_ptr(), case.tables.data_ptr(), case.width, lens.data_ptr(),
+                   ROWS, HEADS, HEAD_DIM, case.block, HEAD_DIM ** -0.5, scratch.data_ptr(), out.data_ptr(), stride)
+            total += time.perf_counter() - started
+    return total / (STEPS * LAYERS) * 1e3
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    big = torch.randn(64 * 2**20)
+    big.sum()
+    started = time.perf_counter()
+    for _ in range(5):
+        big.sum()
+    contiguous = big.numel() * 4 * 5 / (time.perf_counter() - started) / 1e9
+    print(f"{cpu_description()}, torch {torch.__version__}, one thread, fp32 pools; median of {ROUNDS} interleaved rounds "
+          f"of {STEPS} steps x {LAYERS} layers; contiguous read (sum of 256 MB): {contiguous:.1f} GB/s")
+    sweep = torch.randn(8 * 2**20)  # 32 MB
+    with tempfile.TemporaryDirectory() as temporary:
+        kernels = {"kernel": build(Path(temporary), "kernel", KERNEL_SOURCE.read_text()),
+                   "reads only": build(Path(temporary), "reads_only", reads_only_source())}
+        for workload, contexts in WORKLOADS.items():
+            cases = {"blocks of 16, scattered": Case(contexts, 16, True), "blocks of 16, in order": Case(contexts, 16, False),
+                     "blocks of 64, scattered": Case(contexts, 64, True), "blocks of 128, scattered": Case(contexts, 128, True),
+                     "blocks of 128, in order": Case(contexts, 128, False)}
+            times: dict[tuple[str, str], list[float]] = {}
+            for _ in range(ROUNDS):
+                for case_name, case in cases.items():
+                    for kernel_name, kernel in kernels.items():
+                        times.setdefault((case_name, kernel_name), []).append(ms_per_layer(kernel, case, sweep))
+            first = next(iter(cases.values()))
+            print(f"{workload}: contexts {contexts[0]}-{contexts[1]} (median {statistics.median(first.lens):.0f}), "
+                  f"{first.bytes_read / 2**20:.1f} MiB of keys and values per layer")
+            reference = statistics.median(times["blocks of 16, scattered", "kernel"])
+            for (case_name, kernel_name), values in times.items():
+                median = statistics.median(values)
+                print(f"  {case_name:24s} {kernel_name:10s} {median:6.3f} ms/layer  {cases[case_name].bytes_read / median / 1e6:5.1f} GB/s"
+                      f"  {median / reference:.2f}x the kernel on blocks of 16, scattered")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The kv_share study (its README.md: the question, the command, the answer)."""

@@ -1,0 +1,1 @@
+"""The scale_out_timeline study (its README.md: the question, the command, the answer)."""

@@ -1,0 +1,124 @@
+"""The ``flex`` backend: decode rows through :func:`torch.nn.attention.flex_attention`, reading the pool in place.
+
+A ``BlockMask`` built from the block tables tells the kernel which blocks of the pool each row
+reads; TorchInductor compiles it (C++ on the CPU, Triton on a GPU), so nothing is copied. Needs
+``torch.compile`` and a C++ compiler; where either is missing it is unavailable, with the reason.
+Each new batch-size bucket (16, 32, 64, ... decode rows) compiles once, a few seconds.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from chapters.ch08_continuous_batching.paged_attention import DecodeAttend, PackedInputs, PagedAttention, block_table_tensor
+from chapters.ch08_continuous_batching.paged_cache import PagedKVStore
+
+
+class FlexAttention(PagedAttention):
+    """Decode rows through compiled ``flex_attention`` reading the pool in place.
+
+    Layout (found by measuring the CPU kernel, torch 2.13): each decode row is its own batch element,
+    queries ``(B, H, 1, D)`` with B the row count rounded up to a bucket (padding rows list no block
+    and are skipped); keys and values are the pool's plane seen as ``(1, H, slots, D)`` without a
+    copy (a strided view, broadcast over the batch). The ``BlockMask`` lists, per row, the blocks
+    wholly before its position as FULL blocks (no mask evaluated) and the block holding its
+    position as the one PARTIAL block, where ``mask_mod`` keeps offsets up to the position's.
+    The KV block of the mask must be the pool's block (the kernel's split size), a power of two.
+
+    The mask's tensors and ``mask_mod`` are made once per bucket and overwritten in place each
+    step, so the compiled kernel is reused (a new bucket is the only recompile). Torch workarounds:
+    ``compute_q_blocks=False`` (a sparse layout; the default builds a dense mask), the index
+    tensors as wide as the pool has blocks (the KV length check), ``full_kv_*`` always passed and
+    ``PARTITION_SIZE`` huge (the CPU flash-decoding template, picked otherwise for one-token queries,
+    splits the whole pool into partitions and fails to compile without full blocks).
+    """
+
+    name = "flex"
+    KERNEL_OPTIONS = {"PARTITION_SIZE": 1 << 30}
+    MIN_BUCKET = 16
+
+    def __init__(self, store: PagedKVStore) -> None:
+        super().__init__(store)
+        import torch._dynamo
+        from torch.nn.attention.flex_attention import flex_attention
+
+        size = store.block_tokens
+        if size & (size - 1):
+            raise ValueError(f"flex attention needs a power-of-two block size, got {size}")
+        limit = getattr(torch._dynamo.config, "recompile_limit", None)
+        if limit is not None:  # one compiled version per bucket
+            torch._dynamo.config.recompile_limit = max(limit, 32)
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
+        self._flex = torch.compile(flex_attention, dynamic=False)
+        self._buckets: dict[int, _FlexBucket] = {}
+
+    @staticmethod
+    def unavailable_reason() -> str | None:
+        from chapters.ch05_inference_engine.compiled_engine import compiler_available
+
+        try:
+            from torch.nn.attention.flex_attention import BlockMask  # noqa: F401
+        except ImportError:
+            return f"torch {torch.__version__} has no flex_attention"
+        if not compiler_available():
+            return "flex_attention is compiled by torch.compile, which needs a C++ compiler on the CPU (none found on PATH)"
+        return None
+
+    def bind_decodes(self, inputs: PackedInputs) -> DecodeAttend:
+        rows = inputs.num_decodes
+        size = max(self.MIN_BUCKET, 1 << (rows - 1).bit_length())
+        bucket = self._buckets.get(size)
+        if bucket is None:
+            bucket = self._buckets[size] = _FlexBucket(size, self.store)
+        bucket.fill(inputs.block_tables[:rows], inputs.context_lens[:rows], self.store.first_block)
+        slots = inputs.slot_mapping[:rows]
+
+        def decode(layer: int, q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> None:
+            self.write(layer, k, v, slots)
+            keys, values = (self.store.plane(layer, kv).view(-1, self.heads, self.head_dim).permute(1, 0, 2)[None] for kv in (0, 1))
+            queries = keys.new_zeros(bucket.rows, self.heads, 1, self.head_dim)  # in the cache's dtype
+            queries[:rows, :, 0] = q[0].transpose(0, 1)
+            y = self._flex(queries, keys, values, block_mask=bucket.block_mask, kernel_options=self.KERNEL_OPTIONS)
+            out[0] = y[:rows, :, 0].transpose(0, 1)
+
+        return decode
+
+class _FlexBucket:
+    """The BlockMask of one bucket of ``rows`` decode rows, and the tensors it reads, refilled each step."""
+
+    def __init__(self, rows: int, store: PagedKVStore) -> None:
+        from torch.nn.attention.flex_attention import BlockMask
+
+        self.rows = rows
+        self.block_size = size = store.block_tokens
+        width = store.pool.allocator.total_blocks  # index tensors must cover every block of the pool
+        self.partial_count = torch.zeros(rows, 1, 1, dtype=torch.int32)
+        self.partial_blocks = torch.zeros(rows, 1, 1, width, dtype=torch.int32)
+        self.full_count = torch.zeros(rows, 1, 1, dtype=torch.int32)
+        self.full_blocks = torch.zeros(rows, 1, 1, width, dtype=torch.int32)
+        self.last_offset = torch.zeros(rows, dtype=torch.int64)  # offset of each row's position in its block
+        last_offset, offset_bits = self.last_offset, size - 1
+
+        def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return (kv_idx & offset_bits) <= last_offset[b]  # only ever applied to a row's last block
+
+        self.block_mask = BlockMask.from_kv_blocks(
+            self.partial_count, self.partial_blocks, self.full_count, self.full_blocks,
+            BLOCK_SIZE=(1, size), mask_mod=mask_mod, seq_lengths=(1, width * size), compute_q_blocks=False,
+        )
+
+    def fill(self, tables: list[list[int]], context_lens: list[int], first_block: int) -> None:
+        n, size = len(tables), self.block_size
+        table = block_table_tensor(tables, context_lens, size, first_block)
+        widest = table.shape[1]
+        position = torch.tensor(context_lens, dtype=torch.int64) - 1
+        last_block = position // size
+        self.full_blocks[:n, 0, 0, :widest] = table
+        self.full_count[:n, 0, 0] = last_block.to(torch.int32)
+        self.full_count[n:] = 0
+        self.partial_blocks[:n, 0, 0, 0] = table.gather(1, last_block[:, None]).squeeze(1)
+        self.partial_count[:n] = 1
+        self.partial_count[n:] = 0
+        self.last_offset[:n] = position % size
+

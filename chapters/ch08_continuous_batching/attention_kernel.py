@@ -1,0 +1,126 @@
+"""The ``kernel`` backend: decode rows through this chapter's own C kernel, ``paged_decode.c``, beside this file.
+
+One call per layer for all decode rows: it writes their new keys and values into their slots and
+attends, reading the pool in place, each row's softmax computed over the whole row at once (no mask
+object, no library call per block). Built once per machine with the system's C compiler and loaded
+with ctypes (which lets go of the GIL while it runs); where no compiler is found it is unavailable,
+with the reason. CPU, fp32 or bf16 caches.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import math
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from chapters.ch08_continuous_batching.paged_attention import DecodeAttend, PackedInputs, PagedAttention, block_table_tensor
+from chapters.ch08_continuous_batching.paged_cache import PagedKVStore
+
+KERNEL_SOURCE = Path(__file__).with_name("paged_decode.c")
+KERNEL_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC")
+KERNEL_FUNCTIONS = {torch.float32: "paged_decode_fp32", torch.bfloat16: "paged_decode_bf16"}
+_POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
+KERNEL_ARGUMENTS = [_POINTER, _POINTER, _POINTER, _INT, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _INT, _POINTER,
+                    _INT, _INT, _INT, _INT, ctypes.c_float, _POINTER, _POINTER, _INT]  # paged_decode.c's signature
+
+
+class KernelUnavailable(RuntimeError):
+    """The C kernel cannot be built or loaded here; the message says why."""
+
+
+def build_kernel(compiler: str | None = None, cache: Path | None = None) -> ctypes.CDLL:
+    """``paged_decode.c`` compiled for this machine and loaded; built once, then found in ``cache``.
+
+    The file name carries a digest of the source, the flags, the compiler and the CPU's feature flags
+    (``-march=native`` code must not run on another CPU). Raises :class:`KernelUnavailable` with the
+    reason when there is no compiler or the build fails.
+    """
+    compiler = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler or shutil.which(compiler) is None:
+        raise KernelUnavailable(f"the kernel backend is built with a C compiler ($CC, cc or gcc), and none was found"
+                                f"{f' ({compiler!r})' if compiler else ''}")
+    try:
+        cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        cpu = ""
+    digest = hashlib.sha256("\0".join([KERNEL_SOURCE.read_text(), *KERNEL_FLAGS, compiler, cpu]).encode()).hexdigest()[:16]
+    cache = cache or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "serving-from-scratch"
+    target = cache / f"paged_decode-{digest}.so"
+    if not target.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")  # two servers building at once: each renames its own
+        done = subprocess.run([compiler, *KERNEL_FLAGS, "-o", str(partial), str(KERNEL_SOURCE), "-lm"],
+                              capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            partial.unlink(missing_ok=True)
+            raise KernelUnavailable(f"building {KERNEL_SOURCE.name} with {compiler} failed: {done.stderr.strip()[-400:]}")
+        os.replace(partial, target)
+    library = ctypes.CDLL(str(target))
+    for function in KERNEL_FUNCTIONS.values():
+        getattr(library, function).argtypes = KERNEL_ARGUMENTS
+        getattr(library, function).restype = None
+    return library
+
+
+@functools.cache
+def _kernel_library() -> ctypes.CDLL:
+    return build_kernel()
+
+
+class KernelAttention(PagedAttention):
+    """Decode rows through ``paged_decode.c``, reading the pool in place.
+
+    Each step, :meth:`bind_decodes` makes the decode rows' block tables one int32 tensor (rows,
+    widest), offset to the pool's first block, and their context lengths; each layer then makes ONE
+    kernel call for every decode row, reading the queries, keys and values where the model computed
+    them and writing the output where the model's next linear layer reads it (no copy on either side).
+    """
+
+    name = "kernel"
+
+    def __init__(self, store: PagedKVStore) -> None:
+        super().__init__(store)
+        dtype = store.pool.storage.dtype
+        if store.device.type != "cpu" or dtype not in KERNEL_FUNCTIONS:
+            raise ValueError(f"the kernel backend runs on the CPU over an fp32 or bf16 cache, not {store.device} {dtype}")
+        self._decode = getattr(_kernel_library(), KERNEL_FUNCTIONS[dtype])
+        self._scratch = torch.empty(self.heads * store.config.n_ctx, dtype=torch.float32)  # one row's scores, every head
+        self._scale = 1.0 / math.sqrt(self.head_dim)
+
+    @staticmethod
+    def unavailable_reason() -> str | None:
+        try:
+            _kernel_library()
+        except KernelUnavailable as error:
+            return str(error)
+        return None
+
+    def empty_output(self, q: Tensor) -> Tensor:
+        # fp32, (1, N, H, D) in memory, returned as (1, H, N, D): the caller's transpose back is free.
+        return torch.empty(1, q.shape[2], self.heads, self.head_dim, dtype=torch.float32).transpose(1, 2)
+
+    def bind_decodes(self, inputs: PackedInputs) -> DecodeAttend:
+        rows, size = inputs.num_decodes, self.store.block_tokens
+        lens = inputs.context_lens[:rows]
+        tables = block_table_tensor(inputs.block_tables[:rows], lens, size, self.store.first_block)
+        widest, lens_tensor = tables.shape[1], torch.tensor(lens, dtype=torch.int32)
+        slots = inputs.slot_mapping[:rows].to(torch.int64).contiguous()
+
+        def decode(layer: int, q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> None:
+            if q.dtype != torch.float32 or not (q.stride() == k.stride() == v.stride() and q.stride(3) == 1):
+                q, k, v = (t.to(torch.float32).contiguous() for t in (q, k, v))
+            keys, values = self.store.plane(layer, 0), self.store.plane(layer, 1)
+            self._decode(q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(2), q.stride(1), slots.data_ptr(),
+                         keys.data_ptr(), values.data_ptr(), tables.data_ptr(), widest, lens_tensor.data_ptr(),
+                         rows, self.heads, self.head_dim, size, self._scale, self._scratch.data_ptr(),
+                         out.data_ptr(), out.stride(2))
+
+        return decode

@@ -1,0 +1,197 @@
+"""Chapter 9's deploy files as written: the README's `serve run` command, the KubeRay manifest, the image.
+
+None of them can be run here (no container engine, no Kubernetes, and a Ray cluster belongs in
+`make test-slow`), so these tests hold the files to what running them needs: the variables the
+package sets before Ray starts in every command and container that starts Ray without it, probes
+that each pod answers itself (never through a replica of the application), chapter 7's start-up
+allowance and timeouts, an image the repository builds, tagged by version and pulled only when
+missing, and no autoscaling bounds that nothing reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CHAPTER = ROOT / "chapters" / "ch09_scale_out"
+DEPLOY = CHAPTER / "deploy"
+DOCKERFILE = CHAPTER / "Dockerfile"
+IMAGE = "serving-from-scratch"
+# Ray's single-machine mode: set by the package on a laptop, and what a cluster's nodes must not have.
+SINGLE_MACHINE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+@pytest.fixture(scope="module")
+def package_environment() -> dict[str, str]:
+    """Every environment variable importing the chapter's package sets, with its value (in a clean process)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") and k != "SFS_RAY_ADDRESS"}
+    script = ("import json, os; before = dict(os.environ); import chapters.ch09_scale_out; "
+              "print(json.dumps({k: v for k, v in os.environ.items() if before.get(k) != v}))")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=clean, capture_output=True, text=True, timeout=60, check=True)
+    variables = json.loads(done.stdout)
+    assert SINGLE_MACHINE in variables and "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH" in variables, variables
+    return variables
+
+
+def _version() -> str:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+
+
+def _manifest() -> dict:
+    return yaml.safe_load((DEPLOY / "rayservice.yaml").read_text())
+
+
+def _containers(manifest: dict) -> list[dict]:
+    cluster = manifest["spec"]["rayClusterConfig"]
+    return [*cluster["headGroupSpec"]["template"]["spec"]["containers"],
+            *(c for group in cluster["workerGroupSpecs"] for c in group["template"]["spec"]["containers"])]
+
+
+def _shell_commands(text: str) -> list[str]:
+    """Logical command lines of ``text`` (backslash continuations joined)."""
+    return [line.strip() for line in re.sub(r"\\\n", " ", text).splitlines() if line.strip()]
+
+
+def _serve_run_commands(text: str) -> list[dict[str, str]]:
+    """For each `serve run` command in ``text``: the variables it sets in front of itself."""
+    found = []
+    for line in _shell_commands(text):
+        if "serve run " not in line:
+            continue
+        words = shlex.split(line)
+        variables = {}
+        for word in words[:words.index("serve")]:
+            name, _, value = word.partition("=")
+            if re.fullmatch(r"[A-Z_][A-Z0-9_]*", name) and _:
+                variables[name] = value
+        found.append(variables)
+    return found
+
+
+def _readme_code_blocks() -> str:
+    readme = (CHAPTER / "README.md").read_text()
+    return "\n".join(re.findall(r"```(?:bash|sh|console)?\n(.*?)```", readme, flags=re.S))
+
+
+def test_every_serve_run_command_carries_what_the_package_sets_before_ray_starts(package_environment) -> None:
+    """`serve run` starts Ray before it imports the application: the package cannot set them in time."""
+    config_header = "\n".join(line.removeprefix("#").removeprefix(" ")
+                              for line in (DEPLOY / "serve_config.yaml").read_text().splitlines() if line.startswith("#"))
+    for where, text in (("README.md", _readme_code_blocks()), ("serve_config.yaml", config_header)):
+        commands = _serve_run_commands(text)
+        assert commands, f"{where} gives no `serve run` command in a code block"
+        for variables in commands:
+            missing = {k: v for k, v in package_environment.items() if variables.get(k) != v}
+            assert not missing, f"a `serve run` command in {where} lacks {missing}"
+
+
+def test_the_manifest_deploys_the_same_application_with_what_the_package_sets_but_single_machine_mode(package_environment) -> None:
+    import ray
+    from ray.serve.schema import ServeDeploySchema
+
+    manifest = _manifest()
+    assert (manifest["apiVersion"], manifest["kind"]) == ("ray.io/v1", "RayService")
+    served = ServeDeploySchema.model_validate(yaml.safe_load(manifest["spec"]["serveConfigV2"]))
+    local = ServeDeploySchema.model_validate(yaml.safe_load((DEPLOY / "serve_config.yaml").read_text()))
+    assert [a.model_dump() for a in served.applications] == [a.model_dump() for a in local.applications]
+    cluster = manifest["spec"]["rayClusterConfig"]
+    assert cluster["rayVersion"] == ray.__version__  # the image's Ray is the one the code was checked with
+    cluster_environment = {k: v for k, v in package_environment.items() if k != SINGLE_MACHINE}
+    for container in _containers(manifest):
+        env = {item["name"]: item.get("value") for item in container.get("env", [])}
+        assert SINGLE_MACHINE not in env, "a cluster's nodes must reach each other: not Ray's single-machine mode"
+        missing = {k: v for k, v in cluster_environment.items() if env.get(k) != v}
+        assert not missing, (container["name"], missing)
+    drain_s = max(float(a.args.get("drain_timeout_s", 30)) for a in served.applications)
+    for group in cluster["workerGroupSpecs"]:
+        assert group["template"]["spec"]["terminationGracePeriodSeconds"] > drain_s  # the pod outlives its replicas' drain
+
+
+def _chapter_7_probes() -> dict[str, dict]:
+    documents = yaml.safe_load_all((ROOT / "chapters" / "ch07_production" / "deploy" / "k8s.yaml").read_text())
+    deployment = next(d for d in documents if d["kind"] == "Deployment")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    return {kind: container[kind] for kind in ("startupProbe", "readinessProbe", "livenessProbe")}
+
+
+def test_the_workers_probes_are_answered_by_the_pod_itself_with_chapter_7s_allowance_and_timeouts() -> None:
+    """Never a replica through the proxy: with every replica down, /readyz through the proxy hangs past any timeout."""
+    from ray._private.ray_constants import DEFAULT_DASHBOARD_AGENT_LISTEN_PORT
+    from ray.serve._private.proxy_request_response import ASGIProxyRequest
+    from ray.serve.schema import ServeDeploySchema
+
+    manifest = _manifest()
+    serve_port = ServeDeploySchema.model_validate(yaml.safe_load(manifest["spec"]["serveConfigV2"])).http_options.port
+    chapter_7 = _chapter_7_probes()
+    chapter_7_timeout_s = max(probe.get("timeoutSeconds", 1) for probe in chapter_7.values())  # its HTTP probes' timeout
+    groups = manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert groups
+    for group in groups:
+        container = group["template"]["spec"]["containers"][0]
+        for kind in chapter_7:
+            probe = container.get(kind)
+            assert probe is not None, f"{container['name']} has no {kind}"
+            get = probe["httpGet"]
+            if get["port"] == serve_port:  # the pod's Serve proxy: only a path the proxy answers itself
+                proxy_request = ASGIProxyRequest({"type": "http", "path": get["path"], "root_path": ""}, None, None)
+                assert proxy_request.is_health_request or proxy_request.is_route_request, (kind, get)
+            else:  # Ray's agent on the pod (KubeRay's own checks)
+                assert get["port"] == DEFAULT_DASHBOARD_AGENT_LISTEN_PORT and get["path"].startswith("/api/local_raylet_healthz"), (kind, get)
+            assert probe.get("timeoutSeconds", 1) == chapter_7_timeout_s, (kind, probe)  # not Kubernetes' default 1 s
+        assert container["readinessProbe"]["httpGet"]["port"] == serve_port  # ready means its proxy can route
+        allowance = lambda p: p["periodSeconds"] * p["failureThreshold"]  # noqa: E731
+        assert allowance(container["startupProbe"]) >= allowance(chapter_7["startupProbe"])
+
+
+def test_the_manifest_runs_the_image_the_repository_builds_tagged_by_version_pulled_only_if_missing() -> None:
+    tag = f"{IMAGE}:{_version()}"
+    for container in _containers(_manifest()):
+        assert container["image"] == tag, (container["name"], container["image"])  # never :latest (pull always)
+        assert container.get("imagePullPolicy") == "IfNotPresent", container["name"]
+    build = f"docker build -f {DOCKERFILE.relative_to(ROOT)} -t {tag} ."
+    assert build in DOCKERFILE.read_text()
+    assert build in (CHAPTER / "README.md").read_text()
+
+
+def test_the_dockerfile_sets_up_the_repository_as_make_setup_does() -> None:
+    dockerfile = DOCKERFILE.read_text()
+    makefile = (ROOT / "Makefile").read_text()
+    instructions = [line for line in re.sub(r"\\\n", " ", dockerfile).splitlines() if line and not line.startswith("#")]
+    setup_target = re.search(r"^setup:\n((?:\t.*\n)+)", makefile, flags=re.M).group(1)
+    assert "scripts/setup_venv.sh" in setup_target  # `make setup` is this script (and a browser for one test)
+    runs = [line for line in instructions if line.startswith("RUN ")]
+    assert any("scripts/setup_venv.sh" in line and ".venv" in line for line in runs)
+    # the same torch as `make setup`, unless a build asks for another
+    makes_torch = re.search(r"^TORCH_SPEC \?= (.+)$", makefile, flags=re.M).group(1).strip()
+    assert f'ARG TORCH_SPEC="{makes_torch}"' in instructions
+    from packaging.specifiers import SpecifierSet
+
+    python = re.match(r"FROM python:(\d+\.\d+)", instructions[0])
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert python and python[1] in SpecifierSet(requires), (instructions[0], requires)  # an interpreter the project supports
+    # the whole repository is the context (setup installs it editable), less what setup and runs make
+    assert "COPY . ." in instructions and "WORKDIR /app" in instructions
+    assert any(line.startswith("ENV PATH=/app/.venv/bin:") for line in instructions)  # `ray start` is the venv's
+    ignored = (CHAPTER / "Dockerfile.dockerignore").read_text().splitlines()
+    assert {".venv", ".git", "benchmarks/results"} <= set(ignored)
+
+
+def test_the_worker_group_has_no_autoscaling_bounds_that_nothing_reads() -> None:
+    cluster = _manifest()["spec"]["rayClusterConfig"]
+    autoscaling = cluster.get("enableInTreeAutoscaling", False)
+    for group in cluster["workerGroupSpecs"]:
+        bounds = {"minReplicas", "maxReplicas"} & set(group)
+        if autoscaling:
+            assert bounds == {"minReplicas", "maxReplicas"} and group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+        else:
+            assert not bounds, f"{group['groupName']}: {sorted(bounds)} do nothing without enableInTreeAutoscaling"
