@@ -5,7 +5,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # 1 when the user named the interpreter (make test PYTHON=python3.12): a .venv made from another is made again.
 PYTHON_CHOSEN := $(if $(filter command line environment,$(origin PYTHON)),1,0)
-# A CPU build by default; GPU users override, e.g. make setup TORCH_SPEC="torch==2.13.0 --index-url ..."
+# The torch setup installs where none is in .venv (PyPI's Linux build carries CUDA; add PyTorch's cpu or cuXXX
+# index for another): make setup TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 TORCH_SPEC ?= torch==2.13.0
 CH ?= ch01
 PORT ?= 8000
