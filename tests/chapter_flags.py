@@ -18,3 +18,17 @@ def oracle_exact_args(chapter: str) -> tuple[str, ...]:
 # Greedy tokens of a reduced precision equal to the oracle's, position by position: the tolerance
 # measured by chapter 5's trade-off table (see tests/test_ch05_engines.py, MIN_TOKEN_AGREEMENT).
 MIN_TOKEN_AGREEMENT = 0.6
+
+
+def attention_here(name: str, store):
+    """Chapter 8's attention backend ``name`` over ``store``, or the test skipped with the backend's own reason
+    when it cannot run on this machine (flex on a CPU where torch finds no vector instructions to compile for:
+    ``make test-cpus`` at ``ATEN_CPU_CAPABILITY=default``). CI's machines run every backend."""
+    import pytest
+
+    from chapters.ch08_continuous_batching.attention_choice import build_attention
+
+    try:
+        return build_attention(name, store)
+    except ValueError as unavailable:
+        pytest.skip(str(unavailable))

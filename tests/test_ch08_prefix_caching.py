@@ -22,9 +22,9 @@ from test_ch08_block_manager import assert_consistent
 from test_ch08_scheduler import FAKE_CONFIG, FakePackedModel, FakeRunner, fake_oracle, fake_setup, prompt, run_and_check
 from test_ch08_server import run, settings
 
+from chapter_flags import attention_here
 from chapters.ch03_dynamic_batching.step_loop import run_step
 from chapters.ch04_memory_pool.memory_pool import KVMemoryPool
-from chapters.ch08_continuous_batching.attention_choice import build_attention
 from chapters.ch08_continuous_batching.block_manager import BlockManager, OutOfBlocks
 from chapters.ch08_continuous_batching.model_runner import ModelRunner
 from chapters.ch08_continuous_batching.paged_cache import PagedKVStore
@@ -147,7 +147,7 @@ def caching_setup(max_num_seqs: int, budget: int, policy: str = "grow", blocks: 
                   attention: str = "gather") -> tuple[ContinuousScheduler, FakeRunner]:
     store = PagedKVStore(KVMemoryPool(FAKE_CONFIG, blocks * block_tokens, block_tokens=block_tokens), prefix_caching=True)
     scheduler = ContinuousScheduler(store, SchedulerConfig(max_num_seqs, budget, policy))
-    return scheduler, FakeRunner(FakePackedModel(), store, build_attention(attention, store))
+    return scheduler, FakeRunner(FakePackedModel(), store, attention_here(attention, store))
 
 
 @pytest.mark.parametrize(("length", "reused"), [(40, 36), (41, 40)])
@@ -267,7 +267,7 @@ def test_concurrent_requests_sharing_long_prefixes_get_the_oracles_tokens(defaul
                                                                            pool_tokens: int) -> None:
     store = PagedKVStore(KVMemoryPool(default_model.config, pool_tokens, block_tokens=16), prefix_caching=True)
     scheduler = ContinuousScheduler(store, SchedulerConfig(8, 64, "grow"))
-    runner = ModelRunner(default_model.model, store, build_attention(attention, store))
+    runner = ModelRunner(default_model.model, store, attention_here(attention, store))
     manager = store.manager
     admissions: list[tuple[Sequence, int, int]] = []  # (sequence, its preemptions then, tokens found cached)
     allocate = manager.allocate

@@ -26,9 +26,9 @@ from sampling_oracle import model_logits, reference_distribution, reference_samp
 from scipy.stats import chisquare
 from test_tokenizer import byte_ids
 
+from chapter_flags import attention_here
 from chapters.ch03_dynamic_batching.step_loop import run_until_done
 from chapters.ch04_memory_pool.memory_pool import KVMemoryPool
-from chapters.ch08_continuous_batching.attention_choice import build_attention
 from chapters.ch08_continuous_batching.model_runner import ModelRunner
 from chapters.ch08_continuous_batching.paged_cache import PagedKVStore
 from chapters.ch08_continuous_batching.sampling import (
@@ -116,7 +116,7 @@ def run_sequences(default_model, seqs: list[Sequence], attention: str = "gather"
     scheduler = ContinuousScheduler(store, SchedulerConfig(8, 64))
     for seq in seqs:
         scheduler.add(seq)
-    run_until_done(scheduler, ModelRunner(default_model.model, store, build_attention(attention, store)))
+    run_until_done(scheduler, ModelRunner(default_model.model, store, attention_here(attention, store)))
     assert store.manager.free_blocks == store.manager.total_blocks
 
 

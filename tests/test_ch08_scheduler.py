@@ -15,6 +15,7 @@ import torch
 from test_ch08_block_manager import assert_consistent
 from torch import Tensor
 
+from chapter_flags import attention_here
 from chapters.ch03_dynamic_batching.step_loop import run_step, run_until_done
 from chapters.ch04_memory_pool.memory_pool import KVMemoryPool
 from chapters.ch05_inference_engine.engine import build_eager, multiplies_in_bf16
@@ -89,7 +90,7 @@ def fake_setup(max_num_seqs: int, budget: int, policy: str = "grow", blocks: int
     pool = KVMemoryPool(FAKE_CONFIG, blocks * block_tokens, block_tokens=block_tokens)
     store = PagedKVStore(pool)
     scheduler = ContinuousScheduler(store, SchedulerConfig(max_num_seqs, budget, policy))
-    return scheduler, FakeRunner(FakePackedModel(), store, build_attention(attention, store))
+    return scheduler, FakeRunner(FakePackedModel(), store, attention_here(attention, store))
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -207,7 +208,7 @@ def real_setup(default_model, policy: str, pool_tokens: int, max_num_seqs: int =
     pool = KVMemoryPool(default_model.config, pool_tokens, block_tokens=block_tokens)
     store = PagedKVStore(pool)
     scheduler = ContinuousScheduler(store, SchedulerConfig(max_num_seqs, budget, policy))
-    return scheduler, ModelRunner(default_model.model, store, build_attention(attention, store))
+    return scheduler, ModelRunner(default_model.model, store, attention_here(attention, store))
 
 
 def check_against_oracle(default_model, oracle, setup: tuple[ContinuousScheduler, ModelRunner], requests) -> None:
@@ -350,7 +351,7 @@ def addition_accuracy(model, store: PagedKVStore, attention: str, pairs: list[tu
     """Exact-match accuracy of the held-out additions (:func:`shared.corpus.evaluate`'s task) served by
     chapter 8's step loop: four greedy tokens per prompt, every decode reading the paged cache."""
     scheduler = ContinuousScheduler(store, SchedulerConfig(64, 512, "grow"))
-    runner = ModelRunner(model, store, build_attention(attention, store))
+    runner = ModelRunner(model, store, attention_here(attention, store))
     tokenizer = ByteTokenizer()
     seqs = [Sequence(tokenizer.encode(f"{a}+{b}="), 4) for a, b in pairs]
     for seq in seqs:

@@ -46,6 +46,12 @@ class FlexAttention(PagedAttention):
         size = store.block_tokens
         if size & (size - 1):
             raise ValueError(f"flex attention needs a power-of-two block size, got {size}")
+        if store.device.type == "cpu":
+            from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+            if not pick_vec_isa():  # torch's C++ flex template calls vector helpers it has no scalar form of
+                raise ValueError("flex attention on the CPU is compiled with vector instructions (AVX2, AVX-512, NEON, ...) "
+                                 "and torch finds none it can use here")
         limit = getattr(torch._dynamo.config, "recompile_limit", None)
         if limit is not None:  # one compiled version per bucket
             torch._dynamo.config.recompile_limit = max(limit, 32)
