@@ -53,6 +53,7 @@ COURSE: tuple[Step, ...] = (
     Step("ch09.3", 15),
     Step("ch09.1", 20),
     Step("ch09.2", 30, needs=("ch09.3",)),
+    Step("ch09.4", 15),
 )
 
 STEPS = {step.id: step for step in COURSE}

@@ -284,6 +284,10 @@ NOTEBOOKS = {
             ("## The same drill with chapter 8's defaults\n\nEvery replica measures its engine and attention "
              "backends at start and compiles flex attention: the replacement takes longer to serve.",
              'show(lambda: plots.plot_failure_drill(plots.load_scale_out(RESULTS_DIR, "failure-drill-chapter-defaults.json")))'),
+            ("## The same drill with a warm spare\n\n`--spare-replicas 1`: three replicas where the load needs two. The kill "
+             "takes one; the two survivors are the capacity the load needs while the replacement starts, so the line of "
+             "replicas the load needs never drops below two (the first of three runs; all three in the chapter's RESULTS.md).",
+             'show(lambda: plots.plot_failure_drill(plots.load_scale_out(RESULTS_DIR, "failure-drill-spare-1.json")))'),
             ("## Autoscaling under a step load\n\n`python -m benchmarks.studies.scale_out_timeline.scale_out_timeline autoscale`: "
              "Serve's autoscaler on requests held per replica, with short delays, while the clients step up and down.",
              'show(lambda: plots.plot_autoscale_timeline(plots.load_scale_out(RESULTS_DIR, "autoscale-timeline.json")))'),
@@ -300,7 +304,9 @@ NOTEBOOKS = {
         "- In the drill, only requests in flight at the kill are touched: whole answers come back replayed "
         "(blue), streams end with the contract's error (orange); nothing is red.\n"
         "- Capacity comes back when the replacement is running: the gap between the kill and that line is "
-        "start-up, and the two drills differ by what a replica does at start.\n"
+        "start-up, and the first two drills differ by what a replica does at start. With a warm spare the "
+        "survivors already are the capacity the load needs; the spare costs a replica's memory and a share of the "
+        "cores at steady state.\n"
         "- In the autoscaling timeline, the decision follows the step within seconds; the replica it adds "
         "serves only once started, while the step's P99 has already risen.\n"
         "- On two cores, a second replica shares the cores with the first, the proxy and the clients: "

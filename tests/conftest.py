@@ -6,8 +6,11 @@ Servers are started exactly as a learner starts them (``python -m chapters.<fold
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 
@@ -25,6 +28,18 @@ from shared.weights import LoadedModel, load_model
 settings.register_profile("suite", phases=[phase for phase in Phase if phase is not Phase.shrink])
 settings.register_profile("shrink", phases=list(Phase))
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "suite"))
+
+# Start-up choices and compiled kernels are cached per machine (chapter 8's startup_cache.py). A run of
+# the suite gets a cache of its own, inherited by every server it starts, so one run never reads what a
+# run before it measured (a fresh clone must pass as if the machine were new) nor leaves files in ~/.cache.
+if "SFS_CACHE_DIR" not in os.environ:
+    os.environ["SFS_CACHE_DIR"] = tempfile.mkdtemp(prefix="sfs-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["SFS_CACHE_DIR"], ignore_errors=True)
+    # Compiled kernels are content-addressed, so sharing them is safe: they stay where torch keeps them
+    # by default, not in the run's own cache (which would compile flex again on every run).
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
 
 # Graded exercises: the ``exercise`` marker, one ``chNN_k`` marker per exercise, ``--exercise ID``.
 pytest_plugins = ("exercises.pytest_plugin",)

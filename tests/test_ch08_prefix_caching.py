@@ -239,6 +239,46 @@ def test_shared_prefixes_under_preemption_and_abort_keep_the_ledger_right_and_fr
     assert_consistent(manager)
 
 
+def test_requests_arriving_together_with_one_prefix_compute_it_once() -> None:
+    # 64 users with one system prompt, in small: the first computes the prefix; the others wait for
+    # its blocks instead of computing them beside it, and a request with another prompt goes ahead.
+    scheduler, model = caching_setup(max_num_seqs=8, budget=64, blocks=64)
+    common = prompt(16, 340)  # 4 full blocks of 4
+    same = [Sequence(common + prompt(3, 341 + i), 4) for i in range(4)]
+    other = Sequence(prompt(10, 350), 4)
+    for seq in (*same, other):
+        scheduler.add(seq)
+    step = scheduler.schedule()
+    assert [(r.seq, r.start, r.length) for r in step.rows] == [(same[0], 0, 19), (other, 0, 10)]
+    assert list(scheduler.waiting) == same[1:], "the held keep their places"
+    scheduler.update(step, step.execute(model))
+    step = scheduler.schedule()
+    assert [(r.seq, r.start, r.length) for r in step.prefill_rows] == [(seq, 16, 3) for seq in same[1:]]
+    scheduler.update(step, step.execute(model))
+    run_and_check(scheduler, model, [])
+    assert scheduler.stats.prefill_tokens == 19 + 10 + 3 * 3, "the prefix computed once"
+    assert scheduler.manager.hits_tokens == 3 * 16
+    for seq in (*same, other):
+        assert seq.output_ids == fake_oracle(seq.prompt_ids, 4)
+
+
+def test_a_request_waits_for_the_block_a_chunked_prompt_is_computing_and_not_longer() -> None:
+    scheduler, model = caching_setup(max_num_seqs=4, budget=12, blocks=64)
+    common = prompt(16, 360)
+    first, second = Sequence(common + prompt(3, 361), 3), Sequence(common + prompt(2, 362), 3)
+    scheduler.add(first)
+    run_step(scheduler, model)  # positions 0-11 of the first: three blocks cached
+    scheduler.add(second)
+    step = scheduler.schedule()  # the first's last 7 (block 3 among them), 5 of budget left
+    assert [(r.seq, r.start, r.length) for r in step.rows] == [(first, 12, 7)], "block 3 is being computed: wait"
+    scheduler.update(step, step.execute(model))
+    step = scheduler.schedule()
+    assert [(r.seq, r.start, r.length) for r in step.prefill_rows] == [(second, 16, 2)], "then only its own 2"
+    scheduler.update(step, step.execute(model))
+    run_and_check(scheduler, model, [])
+    assert second.output_ids == fake_oracle(second.prompt_ids, 3) and first.output_ids == fake_oracle(first.prompt_ids, 3)
+
+
 # -- the real model, FP32: exactly the oracle's tokens with caching on ------------------------------
 
 

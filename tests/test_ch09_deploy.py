@@ -195,3 +195,24 @@ def test_the_worker_group_has_no_autoscaling_bounds_that_nothing_reads() -> None
             assert bounds == {"minReplicas", "maxReplicas"} and group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
         else:
             assert not bounds, f"{group['groupName']}: {sorted(bounds)} do nothing without enableInTreeAutoscaling"
+
+
+def test_every_pod_drains_before_it_stops_within_its_grace_period() -> None:
+    """The head's preStop drains the application (stopping.py) for the application's drain_timeout_s; a worker's
+    follows a drain the head starts; each pod's grace period outlasts its preStop, so Kubernetes never kills it mid-drain."""
+    manifest = _manifest()
+    drain_timeout_s = yaml.safe_load(manifest["spec"]["serveConfigV2"])["applications"][0]["args"]["drain_timeout_s"]
+    cluster = manifest["spec"]["rayClusterConfig"]
+    pods = [("head", cluster["headGroupSpec"]["template"]["spec"]),
+            *(("worker", group["template"]["spec"]) for group in cluster["workerGroupSpecs"])]
+    for role, pod in pods:
+        command = pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+        # it joins the pod's cluster: SFS_RAY_ADDRESS keeps the package from choosing Ray's single-machine mode
+        assert command[:2] == ["env", "SFS_RAY_ADDRESS=auto"], command
+        command = command[2:]
+        assert command[:3] == ["python", "-m", "chapters.ch09_scale_out.stopping"], command
+        flags = dict(zip(command[3::2], command[4::2], strict=True))
+        assert float(flags["--timeout-s"]) == drain_timeout_s, (role, flags)
+        follow_s = float(flags.get("--follow-s", 0))
+        assert (follow_s > 0) == (role == "worker"), (role, flags)  # only the head starts a drain of the whole application
+        assert pod["terminationGracePeriodSeconds"] > follow_s + drain_timeout_s, (role, pod["terminationGracePeriodSeconds"])

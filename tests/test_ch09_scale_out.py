@@ -193,6 +193,18 @@ def test_autoscaling_runs_between_num_and_max_replicas_on_a_full_batch_per_repli
         ScaleOutSettings(num_replicas=3, max_replicas=2)
 
 
+def test_spare_replicas_run_beyond_what_the_load_needs_fixed_or_autoscaled() -> None:
+    from ray.serve.config import AutoscalingConfig
+
+    fixed = ScaleOutSettings(num_replicas=2, spare_replicas=1)
+    assert deployment_options(replica_settings(fixed), fixed)["num_replicas"] == 3
+    scaled = ScaleOutSettings(num_replicas=1, spare_replicas=1, max_replicas=3)
+    scaling = AutoscalingConfig(**deployment_options(replica_settings(scaled), scaled)["autoscaling_config"])
+    assert (scaling.min_replicas, scaling.initial_replicas, scaling.max_replicas) == (2, 2, 3)  # never below need + spare
+    unscaled_max = ScaleOutSettings(num_replicas=2, spare_replicas=2, max_replicas=3)
+    assert deployment_options(replica_settings(unscaled_max), unscaled_max)["autoscaling_config"]["max_replicas"] == 4
+
+
 class _Backend:
     def __init__(self, ready: bool, reason: str, probed: bool = True, draining: bool = False) -> None:
         self._verdict = (ready, reason)
@@ -209,6 +221,18 @@ def test_a_replica_is_unhealthy_only_when_chapter_7s_probe_failed() -> None:
     replica_health(_Backend(False, "draining", draining=True))  # Serve is already stopping it
     with pytest.raises(RuntimeError, match="the probe failed"):
         replica_health(_Backend(False, "the probe failed: RuntimeError: boom"))
+
+
+def test_a_replica_whose_probe_is_only_slow_is_busy_not_replaced_until_the_grace_runs_out() -> None:
+    """Serve kills an unhealthy replica: a slow probe on busy cores must not cost the capacity the load needs."""
+    from chapters.ch09_scale_out.replica import SLOW_PROBE_GRACE_S
+
+    for slow in ("the probe took longer than 2 s", "the previous probe is still running"):
+        replica_health(_Backend(False, slow), unready_for_s=SLOW_PROBE_GRACE_S / 2)
+        with pytest.raises(RuntimeError, match="for"):
+            replica_health(_Backend(False, slow), unready_for_s=SLOW_PROBE_GRACE_S + 1)
+    with pytest.raises(RuntimeError, match="the probe failed"):
+        replica_health(_Backend(False, "the probe failed: RuntimeError: boom"), unready_for_s=0.0)
 
 
 def test_the_app_drains_before_its_own_shutdown_when_serve_stops_the_replica() -> None:
@@ -276,10 +300,11 @@ def test_the_proxy_loads_the_edge_from_serves_hook() -> None:
     from ray.serve._private.utils import call_function_from_import_path
 
     from chapters.ch09_scale_out.edge import ContractAtTheEdge
+    from chapters.ch09_scale_out.stopping import DrainAtTheEdge
 
     path = os.environ["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"]  # set by importing chapters.ch09_scale_out
     middlewares = validate_http_proxy_callback_return(call_function_from_import_path(path))
-    assert [m.cls for m in middlewares] == [ContractAtTheEdge]
+    assert [m.cls for m in middlewares] == [ContractAtTheEdge, DrainAtTheEdge]  # Serve wraps in order: the drain outermost
 
 
 # ---------------------------------------------------------------- routing (routing.py)
@@ -434,3 +459,16 @@ def test_an_answer_through_the_proxy_carries_one_request_id() -> None:
         assert ids[0] == json.loads(sent[1]["body"])["request_id"]  # the id the answer's body and logs name
         if client_id == b"trace-42":
             assert ids == ["trace-42"]
+
+
+def test_the_drill_counts_capacity_back_when_the_survivors_carry_the_load_and_the_replacement_apart() -> None:
+    from benchmarks.studies.scale_out_timeline.scale_out_timeline import Poll, RequestSpan, account
+
+    polls = [Poll(-0.25, 3, [1, 2, 3]), Poll(0.25, 3, [2, 3]), Poll(0.5, 2, [2, 3]), Poll(6.0, 2, [2, 3, 4]), Poll(8.0, 3, [2, 3, 4])]
+    requests = [RequestSpan(-2.0, -1.0, False, 200, "ok"), RequestSpan(-0.5, 0.5, True, 200, "replayed"),
+                RequestSpan(0.6, 1.0, False, 200, "ok")]
+    with_spare = account(requests, polls, num_replicas=2, spare_replicas=1)
+    assert (with_spare["capacity_back_s"], with_spare["replacement_ready_s"]) == (0.25, 8.0)  # two survivors carry the need of two
+    without = account(requests, polls, num_replicas=3)
+    assert without["capacity_back_s"] == without["replacement_ready_s"] == 8.0  # the need of three is back with the replacement
+    assert (with_spare["answers_per_s_before"], with_spare["answers_per_s_after"]) == (0.2, 0.4)

@@ -1,5 +1,5 @@
 """Graded tests of chapter 9's exercises: the router's ledger (ch09.1), the edge's answer when a replica
-dies (ch09.2), a request's token budget (ch09.3).
+dies (ch09.2), a request's token budget (ch09.3), a span's parent across a process (ch09.4).
 
 No Ray cluster: the ledger and the policy are plain objects; the edge runs against ASGI apps that do
 what Serve 2.60's proxy does (answer from a replica, send its own plain-text refusal, end a request
@@ -222,3 +222,59 @@ def test_the_apps_own_answers_pass_the_edge_unchanged() -> None:
                 await send(message)
 
         assert _call_edge(proxy) == answer
+
+
+# ----------------------------------------------------------------------------- ch09.4: a span's parent across a process
+
+
+def _edge_tracer():
+    from opentelemetry.sdk.trace import TracerProvider
+
+    return TracerProvider().get_tracer("ch09.4")  # the SDK's own, not the global one: nothing exported
+
+
+@pytest.mark.exercise("ch09.4")
+def test_the_request_carries_the_current_span_as_w3c_traceparent_replacing_the_clients() -> None:
+    from opentelemetry import trace
+
+    from chapters.ch09_scale_out.edge import with_trace_context
+
+    client = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    scope = {"type": "http", "path": "/v1/inference",
+             "headers": [(b"host", b"h"), (b"Traceparent", client.encode()), (b"tracestate", b"k=v"), (b"x-request-id", b"r1")]}
+    span = _edge_tracer().start_span("edge")
+    with trace.use_span(span, end_on_exit=True):
+        passed_on = with_trace_context(scope)
+    context = span.get_span_context()
+    expected = f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}".encode()
+    assert [(k, v) for k, v in passed_on["headers"] if k.lower() in (b"traceparent", b"tracestate")] == [(b"traceparent", expected)], \
+        "one traceparent, the edge span's, in W3C's format; the client's (any case) and its tracestate gone"
+    assert [k for k, _ in passed_on["headers"] if k.lower() not in (b"traceparent", b"tracestate")] == [b"host", b"x-request-id"], \
+        "every other header kept, in order"
+    assert passed_on["path"] == "/v1/inference" and scope["headers"][1] == (b"Traceparent", client.encode()), \
+        "the rest of the scope kept; the caller's scope not changed in place"
+
+
+@pytest.mark.exercise("ch09.4")
+def test_the_replicas_span_opened_from_those_headers_is_the_edge_spans_child() -> None:
+    from opentelemetry import propagate, trace
+
+    from chapters.ch09_scale_out.edge import with_trace_context
+
+    tracer = _edge_tracer()
+    edge = tracer.start_span("edge")
+    with trace.use_span(edge, end_on_exit=True):
+        headers = with_trace_context({"type": "http", "headers": []})["headers"]
+    # what the replica's shell does in its own process: only the headers cross
+    parent = propagate.extract({k.decode("latin-1"): v.decode("latin-1") for k, v in headers})
+    shell = tracer.start_span("shell", context=parent)
+    assert shell.parent is not None and shell.parent.span_id == edge.get_span_context().span_id
+    assert shell.get_span_context().trace_id == edge.get_span_context().trace_id
+
+
+@pytest.mark.exercise("ch09.4")
+def test_without_a_current_span_no_trace_context_is_invented() -> None:
+    from chapters.ch09_scale_out.edge import with_trace_context
+
+    passed_on = with_trace_context({"type": "http", "headers": [(b"host", b"h")]})
+    assert passed_on["headers"] == [(b"host", b"h")]

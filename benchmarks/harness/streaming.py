@@ -52,12 +52,20 @@ README block ``ch08-prefix-caching``:
         --out benchmarks/reference/cpu/ch08/prefix-caching/shared-prefix.json
 
 (the same with ``--workload default`` and ``--workload mixed``, each to its own ``<workload>.json``).
+
+``run --api openai`` speaks OpenAI's completions route instead (``POST /v1/completions``, the prompt as
+token ids, ``max_tokens``, greedy), which chapter 8 and other servers (vLLM) both serve, so one client
+measures both: ``--openai-extra '{"ignore_eos": true}'`` adds a server's own fields to every request
+(vLLM stops at end-of-text unless told not to; chapter 8 never does and refuses fields it does not
+know). A streamed answer asks for ``usage`` in its last chunk, so the tokens are counted as the server
+counts them, and a token's time is its chunk's arrival. ``benchmarks/studies/vllm_peer/`` runs it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import random
 import re
@@ -166,6 +174,7 @@ class RequestRecord:
     token_times: list[float] = field(default_factory=list)  # arrival time of each token (s, same clock as sent)
     ended: float = 0.0
     output_tokens: int = 0
+    requested_tokens: int | None = None  # what an OpenAI-route request asked for (None on /v1/inference)
 
     @property
     def ok(self) -> bool:
@@ -212,23 +221,87 @@ async def _one_request(session: aiohttp.ClientSession, url: str, body: dict, str
     return record
 
 
+def openai_body(body: dict[str, Any], model: str, stream: bool, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A workload's contract body as an OpenAI completions request: the same prompt ids and new tokens, greedy;
+    a streamed one asks for ``usage`` in its last chunk; ``extra`` (a server's own fields) added last."""
+    request = {"model": model, "prompt": body["input_ids"], "max_tokens": body["max_new_tokens"], "temperature": 0.0}
+    if stream:
+        request.update(stream=True, stream_options={"include_usage": True})
+    return {**request, **(extra or {})}
+
+
+async def served_model(session: aiohttp.ClientSession, url: str) -> str:
+    """The first model ``GET /v1/models`` lists: the name an OpenAI-route request must give."""
+    async with session.get(f"{url.rstrip('/')}/v1/models") as response:
+        response.raise_for_status()
+        return (await response.json())["data"][0]["id"]
+
+
+async def _one_openai_request(session: aiohttp.ClientSession, url: str, body: dict, stream: bool) -> RequestRecord:
+    """One request to ``/v1/completions``. Streamed: every chunk with a choice is a token's arrival, and the last
+    chunk's ``usage`` is the count; a server that closes with a chunk of its own after the last token (chapter 8
+    sends ``finish_reason`` apart) has that chunk dropped, as it carries no token."""
+    record = RequestRecord(sent=time.perf_counter(), status=0, requested_tokens=body["max_tokens"])
+    try:
+        async with session.post(url, json=body) as response:
+            record.status = response.status
+            if not stream or response.status != 200:
+                if response.status == 200:
+                    record.output_tokens = (await response.json())["usage"]["completion_tokens"]
+            else:
+                counted = None
+                async for line in response.content:  # one server-sent-event line at a time
+                    if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        record.status = 500
+                    if chunk.get("choices"):
+                        record.token_times.append(time.perf_counter())
+                    if chunk.get("usage"):
+                        counted = chunk["usage"]["completion_tokens"]
+                record.output_tokens = len(record.token_times) if counted is None else counted
+                del record.token_times[record.output_tokens:]
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError):  # ValueError: a line past aiohttp's limit, or not JSON
+        record.status = -1
+    record.ended = time.perf_counter()
+    return record
+
+
 async def run_closed_loop(url: str, users: int, duration_s: float, workload: str, stream: bool, seed: int = 1234,
-                          request_timeout_s: float = 120.0) -> tuple[list[RequestRecord], float]:
-    """``users`` clients in a loop for ``duration_s``; returns every record and the measured window (s)."""
+                          request_timeout_s: float = 120.0, api: str = "inference",
+                          openai_extra: dict[str, Any] | None = None) -> tuple[list[RequestRecord], float]:
+    """``users`` clients in a loop for ``duration_s``; returns every record and the measured window (s).
+
+    ``api``: ``inference`` (the contract's ``/v1/inference``) or ``openai`` (``/v1/completions``, the model named
+    by ``GET /v1/models``, asked before the window opens; ``openai_extra`` added to every request body)."""
     make_body = WORKLOADS[workload]
     records: list[RequestRecord] = []
-    started = time.perf_counter()
-    stop_at = started + duration_s
-    endpoint = f"{url.rstrip('/')}/v1/inference"
-
-    async def user(index: int) -> None:
-        rng = random.Random(seed * 1_000_003 + index)
-        while time.perf_counter() < stop_at:
-            records.append(await _one_request(session, endpoint, make_body(rng), stream))
-
+    if api not in ("inference", "openai"):
+        raise ValueError(f"api {api!r}: expected inference or openai")
     connector = aiohttp.TCPConnector(limit=users)  # a kept-alive connection per user
     timeout = aiohttp.ClientTimeout(total=request_timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        if api == "openai":
+            model = await served_model(session, url)
+            endpoint = f"{url.rstrip('/')}/v1/completions"
+
+            async def send(body: dict) -> RequestRecord:
+                return await _one_openai_request(session, endpoint, openai_body(body, model, stream, openai_extra), stream)
+        else:
+            endpoint = f"{url.rstrip('/')}/v1/inference"
+
+            async def send(body: dict) -> RequestRecord:
+                return await _one_request(session, endpoint, body, stream)
+
+        started = time.perf_counter()
+        stop_at = started + duration_s
+
+        async def user(index: int) -> None:
+            rng = random.Random(seed * 1_000_003 + index)
+            while time.perf_counter() < stop_at:
+                records.append(await send(make_body(rng)))
+
         await asyncio.gather(*(user(i) for i in range(users)))
     return records, time.perf_counter() - started
 
@@ -257,6 +330,9 @@ def summarize(records: list[RequestRecord], window_s: float, slo_ttft_ms: float 
         if not r.ok:
             errors[str(r.status)] = errors.get(str(r.status), 0) + 1
     streamed = any(r.token_times for r in ok)
+    # An OpenAI-route answer may end early (a server that stops at end-of-text): counted, as the work differs.
+    asked = [r for r in ok if r.requested_tokens is not None]
+    short = {"short_answers": sum(1 for r in asked if r.output_tokens < r.requested_tokens)} if asked else {}
     return {
         "requests": len(records),
         "completed": len(ok),
@@ -270,6 +346,7 @@ def summarize(records: list[RequestRecord], window_s: float, slo_ttft_ms: float 
         "e2e_ms": _percentiles([r.e2e for r in ok]),
         "slo": {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms, "e2e_ms": slo_e2e_ms},
         "goodput_qps": sum(1 for r in ok if meets_slo(r)) / window_s,
+        **short,
     }
 
 
@@ -340,10 +417,22 @@ def describe_harness(harness: dict[str, Any] | None) -> str:
 
 
 def _run(args: argparse.Namespace, url: str, stream: bool) -> dict[str, Any]:
+    api = {"api": getattr(args, "api", "inference"), "openai_extra": getattr(args, "openai_extra", None)}
     # A short warm-up (first allocations, lazy kernels) that is not measured.
-    asyncio.run(run_closed_loop(url, min(args.users, 4), min(2.0, args.duration_s), args.workload, stream, seed=args.seed + 1))
-    records, window = asyncio.run(run_closed_loop(url, args.users, args.duration_s, args.workload, stream, seed=args.seed))
+    asyncio.run(run_closed_loop(url, min(args.users, 4), min(2.0, args.duration_s), args.workload, stream, seed=args.seed + 1, **api))
+    records, window = asyncio.run(run_closed_loop(url, args.users, args.duration_s, args.workload, stream, seed=args.seed, **api))
     return summarize(records, window, args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """``--openai-extra``'s value: a JSON object, else ``argparse.ArgumentTypeError``."""
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{text!r}: not JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a JSON object")
+    return value
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -362,6 +451,10 @@ def main(argv: list[str] | None = None) -> None:
     run = sub.choices["run"]
     run.add_argument("--url", required=True, help="a server on loopback, e.g. http://127.0.0.1:8000")
     run.add_argument("--no-stream", action="store_true", help="the server does not stream: time whole responses")
+    run.add_argument("--api", choices=("inference", "openai"), default="inference",
+                     help="the contract's /v1/inference, or OpenAI's /v1/completions (chapter 8, vLLM)")
+    run.add_argument("--openai-extra", type=json_object, default=None, metavar="JSON",
+                     help='fields added to every OpenAI-route request, e.g. \'{"ignore_eos": true}\' for vLLM')
     compare = sub.choices["compare"]
     compare.add_argument("--chapters", nargs="+", default=None, help="chapters at their defaults (ch06 ch08 when no --variant)")
     compare.add_argument("--variant", type=parse_variant, action="append", default=[], metavar="LABEL=CHAPTER[:FLAGS]",
@@ -380,7 +473,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "run":
         if not args.url.startswith(("http://127.0.0.1", "http://localhost", "http://[::1]")):
             parser.error("--url must be on loopback")
-        result: dict[str, Any] = {"url": args.url, "workload": args.workload, "users": args.users, **_run(args, args.url, not args.no_stream)}
+        result: dict[str, Any] = {"url": args.url, "workload": args.workload, "users": args.users, "api": args.api,
+                                  **_run(args, args.url, not args.no_stream)}
     else:
         from benchmarks.harness.server_process import running_module
         from chapters import module_for

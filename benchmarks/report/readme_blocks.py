@@ -13,7 +13,7 @@ may name its profile, ``climb@gpu``; otherwise the command's ``--profile`` (defa
 ``python -m benchmarks readme`` rewrites every block of :func:`default_readmes`; text outside the
 markers is left byte for byte. The blocks themselves: ``climb_blocks`` (the harness's climb and
 runs), ``streaming_blocks`` (servers compared by the streaming client), ``study_blocks`` (the
-studies), ``scale_out_blocks`` (chapter 9).
+studies), ``scale_out_blocks`` (chapter 9), ``peer_blocks`` (other servers beside chapter 8).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from benchmarks.report.climb_blocks import (
     partial_climb_block,
     previous_result,
 )
+from benchmarks.report.peer_blocks import vllm_peer_block
 from benchmarks.report.scale_out_blocks import (
     autoscale_block,
     ceilings_block,
@@ -87,6 +88,10 @@ def render_key(key: str, results: Mapping[str, BenchmarkResult], directory: Path
         return autoscale_block(directory)
     if key == "ch09-replicas":
         return replicas_block(directory)
+    if key.startswith("ch09-serve-path-"):  # ch09-serve-path-mixed: serve-path-mixed.json, against chapter 8 alone
+        return replicas_block(directory, f"{key.removeprefix('ch09-')}.json", against="chapter 8 alone")
+    if key == "vllm-peer":
+        return vllm_peer_block(directory)
     if key.startswith("side-by-side"):  # side-by-side, side-by-side-avx2: one folder of rounds per machine
         return side_by_side_block(directory, key)
     if key == "deploy":

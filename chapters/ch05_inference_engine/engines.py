@@ -118,7 +118,10 @@ def choose_default(model: GPT) -> tuple[str, str]:
     path = _choice_path(model, candidates)
     if path.exists():
         choice = json.loads(path.read_text())
-    else:
+    else:  # say so: the measurement takes a while, longest on a CPU that is slow at int8
+        log.info("auto engine: no measured choice in %s; measuring %s (%d rounds of a batch of %d prompts each, then "
+                 "accuracy on %d held-out pairs); later starts read the outcome", path,
+                 ", ".join(f"{e}/{p}" for e, p in candidates), PROBE_ROUNDS, PROBE_BATCH, PROBE_PAIRS)
         choice = measure_candidates(model, candidates)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(choice, indent=1))

@@ -1,9 +1,12 @@
 """Which attention backend serves: the one named (``--attention``), or for ``auto`` the one measured fastest here.
 
 Chapter 5 picks its engine by timing the candidates on this machine; this chapter picks its decode
-attention the same way, once, at start-up (:data:`RULE`): every backend that can run here computes
-the same packed decode step, taking turns, and the fastest serves if it clearly beats ``gather``,
-the readable one. The backends: :mod:`~chapters.ch08_continuous_batching.attention_gather`,
+attention the same way (:data:`RULE`): every backend that can run here computes the same packed
+decode step, taking turns, and a faster one replaces a simpler one only if it wins by
+:data:`MARGIN`. The outcome is kept per machine and settings
+(:mod:`~chapters.ch08_continuous_batching.startup_cache`): the next start, or a replacement
+replica, reads it instead of measuring; ``remeasure`` measures again. The backends:
+:mod:`~chapters.ch08_continuous_batching.attention_gather`,
 :mod:`~chapters.ch08_continuous_batching.attention_flex`,
 :mod:`~chapters.ch08_continuous_batching.attention_kernel`.
 """
@@ -22,6 +25,7 @@ from chapters.ch08_continuous_batching.model_runner import prepare_inputs
 from chapters.ch08_continuous_batching.paged_attention import PackedInputs, PagedAttention
 from chapters.ch08_continuous_batching.paged_cache import PagedKVStore
 from chapters.ch08_continuous_batching.scheduler import ScheduledRow, Sequence
+from chapters.ch08_continuous_batching.startup_cache import choose_once, machine_key, model_key, pick_within_margin, round_order
 from shared.model import GPT
 
 log = logging.getLogger(__name__)
@@ -32,11 +36,19 @@ ATTENTION_CHOICES = Literal["auto", "gather", "flex", "kernel"]
 RULE = (
     "Time one packed decode step of the model (max_num_seqs sequences, their contexts spread evenly over "
     "PROBE_CONTEXTS as served traffic spreads them, blocks scattered over the pool) with every backend that "
-    "can run here, taking turns for PROBE_REPEATS rounds, median per backend; serve the fastest if it beats "
-    "gather by MIN_SPEEDUP, else gather (the readable one)."
+    "can run here, PROBE_ROUNDS rounds taking turns (each round starting with the next backend). Going down "
+    "PREFERENCE, a backend replaces the choice so far only if the median of its same-round time ratios to it "
+    "beats it by MARGIN."
 )
 # Contexts of one length would hide what padding costs gather: the probe's rows differ, as requests do.
-PROBE_CONTEXTS, PROBE_REPEATS, MIN_SPEEDUP = (32, 256), 7, 1.10
+# Nine rounds: a burst of load spoils at most the rounds at its edges (a round it covers whole slows both
+# backends compared alike and their ratio stands), so the median holds while fewer than half are spoiled.
+PROBE_CONTEXTS, PROBE_ROUNDS = (32, 256), 9
+# A faster backend must win by this much to replace a simpler one: same-round ratios spread this wide from
+# start to start on a loaded machine (the startup_rules study), so a smaller win could flip between starts.
+MARGIN = 0.10
+# Simplest first: plain PyTorch, then one C function built in a second, then TorchInductor's compile per bucket.
+PREFERENCE = ("gather", "kernel", "flex")
 
 
 def build_attention(name: str, store: PagedKVStore) -> PagedAttention:
@@ -49,34 +61,46 @@ def build_attention(name: str, store: PagedKVStore) -> PagedAttention:
     return BACKENDS[name](store)
 
 
-def choose_attention(name: str, store: PagedKVStore, model: GPT, max_num_seqs: int) -> PagedAttention:
-    """The backend ``name`` names, or for ``auto`` the one :data:`RULE` picks on this machine; warmed up.
+def choose_attention(name: str, store: PagedKVStore, model: GPT, max_num_seqs: int, remeasure: bool = False) -> PagedAttention:
+    """The backend ``name`` names, or for ``auto`` the one :data:`RULE` picks on this machine (cached); warmed up.
 
     Warm-up runs a decode step of every batch size bucket up to ``max_num_seqs`` (16, 32, 64, ...),
     so a compiled backend compiles now, not under the first requests.
     """
-    chosen = build_attention(name, store) if name != "auto" else _by_the_rule(store, model, max_num_seqs)
+    chosen = build_attention(name, store) if name != "auto" else _by_the_rule(store, model, max_num_seqs, remeasure)
     rows = 1
     while rows < max_num_seqs:
         rows *= 2
-        measure_decode_steps(model, store, {chosen.name: chosen}, min(rows, max_num_seqs), repeats=0)
+        measure_decode_steps(model, store, {chosen.name: chosen}, min(rows, max_num_seqs), rounds=0)
     return chosen
 
 
-def _by_the_rule(store: PagedKVStore, model: GPT, max_num_seqs: int) -> PagedAttention:
+def _by_the_rule(store: PagedKVStore, model: GPT, max_num_seqs: int, remeasure: bool = False) -> PagedAttention:
+    names = [name for name in BACKENDS if name == "gather" or not _unavailable(name)]
+    key = {**machine_key(), **model_key(model), "kv": str(store.pool.storage.dtype), "device": str(store.device),
+           "block_tokens": store.block_tokens, "blocks": store.manager.total_blocks, "rows": max_num_seqs,
+           "candidates": names, "rule": [RULE, PROBE_CONTEXTS, PROBE_ROUNDS, MARGIN, PREFERENCE]}
+    chosen = choose_once("attention", key, lambda: _measure(store, model, max_num_seqs, names), remeasure)
+    return build_attention(chosen, store)
+
+
+def _unavailable(name: str) -> str | None:
+    if reason := BACKENDS[name].unavailable_reason():  # no compiler here: the user can install one
+        log.warning("attention %s cannot run here: %s", name, reason)
+    return reason
+
+
+def _measure(store: PagedKVStore, model: GPT, max_num_seqs: int, names: list[str]) -> dict:
+    log.info("decode attention: no measured choice for this machine and these settings; building %s (compiled at a first "
+             "start, then cached)", ", ".join(names))
     candidates = {}
-    for name in BACKENDS:
+    for name in names:
         try:
             candidates[name] = build_attention(name, store)
-        except ValueError as error:  # no compiler here, or the kernel on a GPU pool
+        except ValueError as error:  # the kernel on a GPU pool, flex with a block size it cannot take
             log.warning("%s", error)
-    if len(candidates) == 1:
-        return candidates["gather"]
-    timings = measure_decode_steps(model, store, candidates, max_num_seqs, leave_out_failing=True)
-    best = min(timings, key=timings.get)
-    chosen = best if timings[best] * MIN_SPEEDUP <= timings["gather"] else "gather"
-    log.info("attention %s, by the rule over: %s", chosen, ", ".join(f"{n} {t * 1e3:.1f} ms/step" for n, t in timings.items()))
-    return candidates[chosen]
+    samples = measure_decode_steps(model, store, candidates, max_num_seqs, leave_out_failing=True) if len(candidates) > 1 else {}
+    return pick_within_margin(samples or {"gather": [0.0]}, PREFERENCE, MARGIN)
 
 
 def scattered_decode_inputs(store: PagedKVStore, contexts: list[int], rng: random.Random) -> tuple[PackedInputs, list[Sequence]]:
@@ -96,15 +120,16 @@ def scattered_decode_inputs(store: PagedKVStore, contexts: list[int], rng: rando
 
 
 def measure_decode_steps(model: GPT, store: PagedKVStore, backends: dict[str, PagedAttention], sequences: int,
-                         repeats: int = PROBE_REPEATS, leave_out_failing: bool = False) -> dict[str, float]:
-    """Median seconds of one packed decode step of ``sequences`` rows through each backend (the rule's probe).
+                         rounds: int = PROBE_ROUNDS, leave_out_failing: bool = False) -> dict[str, list[float]]:
+    """Seconds of one packed decode step of ``sequences`` rows through each backend, one per round (the rule's probe).
 
-    The backends take turns, one step each per round, after one unmeasured step each (compilation,
-    first touch): a machine that slows down for a moment slows every candidate's round alike, instead
-    of all the samples of one of them. The probe's sequences take blocks from the store, scattered as a
-    busy pool scatters them, and give them back before this returns. With ``leave_out_failing`` a backend
-    other than ``gather`` whose first step raises (a compiler that cannot build its code on this machine)
-    is left out of the answer with a warning, instead of ending the start.
+    Before the rounds, two unmeasured steps each: the first compiles and touches memory, the second
+    tells how long the rounds will take (logged). In the rounds the backends take turns, one step each,
+    :func:`round_order`: a machine that slows down for a moment slows one round's backends alike. The
+    probe's sequences take blocks from the store, scattered as a busy pool scatters them, and give
+    them back before this returns. With ``leave_out_failing`` a backend other than ``gather`` whose
+    first step raises (a compiler that cannot build its code on this machine) is left out of the
+    answer with a warning, instead of ending the start.
     """
     manager, rng = store.manager, random.Random(0)
     shortest, longest = min(PROBE_CONTEXTS[0], store.config.n_ctx), min(PROBE_CONTEXTS[1], store.config.n_ctx)
@@ -123,13 +148,19 @@ def measure_decode_steps(model: GPT, store: PagedKVStore, backends: dict[str, Pa
                     raise
                 log.warning("attention %s left out: its first step failed here: %s", name, str(error).strip().splitlines()[0])
                 del steps[name]
-        samples: dict[str, list[float]] = {name: [] for name in steps}
-        for _ in range(repeats):
-            for name, step in steps.items():
-                started = time.perf_counter()
+        if rounds:
+            started = time.perf_counter()
+            for step in steps.values():
                 step()
+            log.info("measuring decode attention: %s, %d rounds of one %d-row step each, about %.0f s",
+                     ", ".join(steps), rounds, sequences, rounds * (time.perf_counter() - started))
+        samples: dict[str, list[float]] = {name: [] for name in steps}
+        for index in range(rounds):
+            for name in round_order(list(steps), index):
+                started = time.perf_counter()
+                steps[name]()
                 samples[name].append(time.perf_counter() - started)
-        return {name: sorted(times)[len(times) // 2] if times else 0.0 for name, times in samples.items()}
+        return samples
     finally:
         for seq in seqs:
             manager.free(seq.seq_id)

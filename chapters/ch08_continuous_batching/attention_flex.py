@@ -3,7 +3,9 @@
 A ``BlockMask`` built from the block tables tells the kernel which blocks of the pool each row
 reads; TorchInductor compiles it (C++ on the CPU, Triton on a GPU), so nothing is copied. Needs
 ``torch.compile`` and a C++ compiler; where either is missing it is unavailable, with the reason.
-Each new batch-size bucket (16, 32, 64, ... decode rows) compiles once, a few seconds.
+Each new batch-size bucket (16, 32, 64, ... decode rows) compiles once, a few seconds; TorchInductor keeps
+what it compiled under :func:`~chapters.ch08_continuous_batching.startup_cache.cache_dir`, so a later
+process on this machine loads it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from torch import Tensor
 
 from chapters.ch08_continuous_batching.paged_attention import DecodeAttend, PackedInputs, PagedAttention, block_table_tensor
 from chapters.ch08_continuous_batching.paged_cache import PagedKVStore
+from chapters.ch08_continuous_batching.startup_cache import use_cache_for_compilers
 
 
 class FlexAttention(PagedAttention):
@@ -52,6 +55,7 @@ class FlexAttention(PagedAttention):
             if not pick_vec_isa():  # torch's C++ flex template calls vector helpers it has no scalar form of
                 raise ValueError("flex attention on the CPU is compiled with vector instructions (AVX2, AVX-512, NEON, ...) "
                                  "and torch finds none it can use here")
+        use_cache_for_compilers()  # TorchInductor's kernels where every process on this machine finds them
         limit = getattr(torch._dynamo.config, "recompile_limit", None)
         if limit is not None:  # one compiled version per bucket
             torch._dynamo.config.recompile_limit = max(limit, 32)

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from chapters.ch08_continuous_batching.paged_attention import DecodeAttend, PackedInputs, PagedAttention, block_table_tensor
 from chapters.ch08_continuous_batching.paged_cache import PagedKVStore
+from chapters.ch08_continuous_batching.startup_cache import cache_dir, cpu_flags
 
 KERNEL_SOURCE = Path(__file__).with_name("paged_decode.c")
 KERNEL_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC")
@@ -37,7 +38,8 @@ class KernelUnavailable(RuntimeError):
 
 
 def build_kernel(compiler: str | None = None, cache: Path | None = None) -> ctypes.CDLL:
-    """``paged_decode.c`` compiled for this machine and loaded; built once, then found in ``cache``.
+    """``paged_decode.c`` compiled for this machine and loaded; built once, then found in ``cache``
+    (default: :func:`~chapters.ch08_continuous_batching.startup_cache.cache_dir`, shared by every process here).
 
     The file name carries a digest of the source, the flags, the compiler and the CPU's feature flags
     (``-march=native`` code must not run on another CPU). Raises :class:`KernelUnavailable` with the
@@ -47,12 +49,9 @@ def build_kernel(compiler: str | None = None, cache: Path | None = None) -> ctyp
     if not compiler or shutil.which(compiler) is None:
         raise KernelUnavailable(f"the kernel backend is built with a C compiler ($CC, cc or gcc), and none was found"
                                 f"{f' ({compiler!r})' if compiler else ''}")
-    try:
-        cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        cpu = ""
+    cpu = " ".join(cpu_flags(every=True))  # -march=native code uses any of them
     digest = hashlib.sha256("\0".join([KERNEL_SOURCE.read_text(), *KERNEL_FLAGS, compiler, cpu]).encode()).hexdigest()[:16]
-    cache = cache or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "serving-from-scratch"
+    cache = cache or cache_dir()
     target = cache / f"paged_decode-{digest}.so"
     if not target.exists():
         cache.mkdir(parents=True, exist_ok=True)

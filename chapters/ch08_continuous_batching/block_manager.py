@@ -60,13 +60,16 @@ class CachedPrefix:
 
     ``blocks[i]`` holds tokens ``i * block_tokens .. (i + 1) * block_tokens - 1`` of the query and
     its identity is ``hashes[i]``; ``queried_tokens`` is the query's length (for the hit rate; 0
-    when the manager does not cache, and so looked nothing up).
+    when the manager does not cache, and so looked nothing up). ``missing`` is the identity of the
+    first full block it did not find (None: every full block before the last token was found, or
+    no caching): what that block will be called once some sequence has computed it.
     """
 
     blocks: tuple[int, ...]
     hashes: tuple[bytes, ...]
     queried_tokens: int
     block_tokens: int
+    missing: bytes | None = None
 
     @property
     def tokens(self) -> int:
@@ -161,17 +164,19 @@ class BlockManager:
         """
         blocks: list[int] = []
         hashes: list[bytes] = []
+        missing = None
         if self.prefix_caching:
             size, parent = self.block_tokens, ROOT_HASH
             for index in range((len(token_ids) - 1) // size):
                 digest = block_hash(parent, token_ids[index * size : (index + 1) * size])
                 block = self._block_of_hash.get(digest)
                 if block is None:
+                    missing = digest
                     break  # a chain: no later block can match without this one
                 blocks.append(block)
                 hashes.append(digest)
                 parent = digest
-        return CachedPrefix(tuple(blocks), tuple(hashes), len(token_ids) if self.prefix_caching else 0, self.block_tokens)
+        return CachedPrefix(tuple(blocks), tuple(hashes), len(token_ids) if self.prefix_caching else 0, self.block_tokens, missing)
 
     def cache_full_blocks(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> int:
         """Give an identity to each full block of ``seq_id`` whose keys and values are now computed.

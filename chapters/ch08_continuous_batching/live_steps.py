@@ -86,7 +86,7 @@ class StepView:
             "t": now,
             "stats": scheduler.describe(),
             "decode_rows": len(step.decode_rows) if step else 0,
-            "prefill": [[row.seq_id, row.start, row.length] for row in step.prefill_rows] if step else [],
+            "prefill": [[row.seq.seq_id, row.start, row.length] for row in step.prefill_rows] if step else [],
             "timings_ms": dict(timings_ms or {}),
             "running": [[s.seq_id, len(s.prompt_ids), s.num_generated, s.max_new_tokens, s.num_computed, s.preemptions]
                         for s in scheduler.running],

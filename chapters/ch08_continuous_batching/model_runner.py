@@ -82,14 +82,14 @@ def prepare_inputs(store: PagedKVStore, rows: Rows[ScheduledRow], num_decodes: i
     input_ids, positions, query_start, logits_indices = pack_rows(rows)
     slots: list[int] = []
     for row in rows:
-        slots += store.slots(row.seq_id, row.start, row.start + len(row.new_ids))
+        slots += store.slots(row.seq.seq_id, row.start, row.start + len(row.new_ids))
     to_device = lambda values: torch.tensor(values, dtype=torch.long).to(store.device)  # noqa: E731
     return PackedInputs(
         input_ids=to_device(input_ids),
         positions=to_device(positions),
         query_start=query_start,
         context_lens=[row.start + len(row.new_ids) for row in rows],
-        block_tables=[store.manager.tables[row.seq_id] for row in rows],
+        block_tables=[store.manager.tables[row.seq.seq_id] for row in rows],
         slot_mapping=to_device(slots),
         logits_indices=to_device(logits_indices),
         num_decodes=num_decodes,

@@ -19,7 +19,10 @@ decides again before every model call (Orca's iteration-level scheduling):
    another block, nothing is ever preempted); under ``grow`` only its first chunk's blocks. With
    prefix caching on (the store's), a sequence starts with the cached full blocks of its tokens'
    prefix (a shared system prompt, or its own blocks still cached after a preemption) and its
-   first chunk starts where they end: the budget pays only for what is computed.
+   first chunk starts where they end: the budget pays only for what is computed. A waiting
+   sequence whose next uncached block another prompt is computing right now waits in its place
+   until that block is cached (:meth:`ContinuousScheduler._held_for_prefixes_in_flight`), so
+   prompts that arrive together with one new prefix compute it once.
 
 ``update`` appends each row's next token (greedy, or sampled as the sequence asked:
 :mod:`~chapters.ch08_continuous_batching.sampling`), and a sequence that has its tokens, or reached
@@ -82,10 +85,6 @@ class ScheduledRow:
     seq: Sequence
     start: int
     length: int
-
-    @property
-    def seq_id(self) -> int:
-        return self.seq.seq_id
 
     @property
     def new_ids(self) -> list[int]:
@@ -185,10 +184,8 @@ class ContinuousScheduler:
     # -- schedule -----------------------------------------------------------------------------
 
     def schedule(self) -> ContinuousStep | None:
-        budget = self.config.max_num_batched_tokens
         decode_rows = self._schedule_decodes()
-        budget -= len(decode_rows)
-        continuing, budget = self._continue_prefills(budget)
+        continuing, budget = self._continue_prefills(self.config.max_num_batched_tokens - len(decode_rows))
         admitted, budget = self._admit(budget)
         prefill_rows = continuing + admitted
         if not decode_rows and not prefill_rows:
@@ -260,11 +257,42 @@ class ContinuousScheduler:
 
     def _room_for(self, seq: Sequence) -> int:
         """Positions beyond ``num_computed`` that ``seq``'s table plus the free blocks can hold."""
-        size = self.manager.block_tokens
-        have = len(self.manager.tables[seq.seq_id]) * size
-        return have + self.manager.free_blocks * size - seq.num_computed
+        m = self.manager
+        return (len(m.tables[seq.seq_id]) + m.free_blocks) * m.block_tokens - seq.num_computed
 
     def _admit(self, budget: int) -> tuple[list[ScheduledRow], int]:
+        """:meth:`_admit_in_order` over the queue less those held this step (:meth:`_held_for_prefixes_in_flight`);
+        the held keep their places."""
+        order, held = self.waiting, self._held_for_prefixes_in_flight()
+        self.waiting = deque(seq for seq in order if seq not in held)
+        rows, budget = self._admit_in_order(budget)
+        self.waiting = deque(seq for seq in order if seq.status is Status.WAITING)  # less those admitted
+        return rows, budget
+
+    def _held_for_prefixes_in_flight(self) -> set[Sequence]:
+        """Waiting sequences whose first uncached full block a running prompt, or one admitted before them, computes.
+
+        Admitted now, each would compute that block a second time (a block is found only once it is
+        computed): users with one system prompt arriving together would compute it once for every
+        one admitted before it is cached. Held, they find it cached a step or two later and compute
+        only what follows it, while those behind them are admitted. (vLLM registers a block when it
+        schedules it instead: its forward writes every row's keys before any row reads, so a row
+        later in the same step may read them; here a block is registered once computed, so it waits.)
+        """
+        m, held, rows_left = self.manager, set(), self.config.max_num_seqs - len(self.running)
+        claimed = {m.cached_prefix(seq.token_ids).missing for seq in self.running if seq.num_computed < len(seq.token_ids) - 1}
+        for seq in self.waiting if m.prefix_caching else ():  # only as far as this step can admit
+            if rows_left <= 0:
+                break
+            missing = m.cached_prefix(seq.token_ids).missing  # what it would compute first
+            if missing is not None and missing in claimed:
+                held.add(seq)
+            else:
+                rows_left -= 1
+            claimed.add(missing)
+        return held
+
+    def _admit_in_order(self, budget: int) -> tuple[list[ScheduledRow], int]:
         """Waiting sequences, oldest first, while a row, budget and blocks are left (no skipping ahead)."""
         rows: list[ScheduledRow] = []
         # EXERCISE ch08.2 BEGIN "admission under max_num_seqs and the token budget, chunking long prompts"
@@ -294,8 +322,7 @@ class ContinuousScheduler:
         sampling = [row.seq for row in step.rows if row.samples]
         tokens, logprobs = sample_tokens(logits, [seq.sampling for seq in sampling], [seq.generator for seq in sampling])
         next_ids, next_logprobs = iter(tokens), iter(logprobs)
-        now = self.clock()
-        s = self.stats
+        now, s = self.clock(), self.stats
         s.steps += 1
         s.tokens_computed += step.num_tokens
         s.decode_tokens += len(step.decode_rows)

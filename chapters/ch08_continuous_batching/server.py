@@ -37,6 +37,10 @@ and samples because its contract takes the sampling fields,
 :mod:`~chapters.ch08_continuous_batching.sampled_contract`), plus ``/v1/completions`` and
 ``/v1/models`` (:mod:`~chapters.ch08_continuous_batching.openai_api`: sampling, stop strings,
 log-probabilities).
+
+``--otlp-endpoint``: one OpenTelemetry trace per request, from the shell to each prefill chunk and
+the decode steps (:mod:`~chapters.ch08_continuous_batching.tracing`,
+:mod:`~chapters.ch08_continuous_batching.step_tracing`); without it, nothing of it is built.
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ from chapters.ch04_memory_pool.memory_pool import KVMemoryPool
 from chapters.ch04_memory_pool.server import AdmissionOptions, PoolOptions, plan_pool
 from chapters.ch05_inference_engine.engine import multiplies_in_bf16
 from chapters.ch05_inference_engine.server import EngineOptions, engine_for
-from chapters.ch07_production.request_log import configure_json_logging
+from chapters.ch07_production.request_log import REQUEST_LOG, configure_json_logging
 from chapters.ch07_production.server import ProductionOptions, serve
 from chapters.ch07_production.server import build_app as build_production_app
 from chapters.ch08_continuous_batching.attention_choice import ATTENTION_CHOICES, choose_attention
@@ -69,7 +73,10 @@ from chapters.ch08_continuous_batching.paged_cache import KV_CACHE_DTYPES, KV_CA
 from chapters.ch08_continuous_batching.sampled_contract import SAMPLED_CONTRACT
 from chapters.ch08_continuous_batching.scheduler import ContinuousScheduler, KVPolicy, SchedulerConfig
 from chapters.ch08_continuous_batching.step_thread import StepThread
+from chapters.ch08_continuous_batching.startup_cache import quiet_unactionable_warnings
 from chapters.ch08_continuous_batching.streaming import write_sse_stream
+from chapters.ch08_continuous_batching.step_tracing import TracedStepThread
+from chapters.ch08_continuous_batching.tracing import TracedRequests, log_trace_ids, tracing_for
 from shared.settings import ServerSettings, parse_settings, refused_flags_exit
 from shared.unwritten import or_meanwhile
 from shared.weights import LoadedModel
@@ -88,7 +95,10 @@ class SchedulerOptions(BaseSettings):
     max_num_batched_tokens: int = Field(SchedulerConfig.max_num_batched_tokens, ge=1,
                                         description="tokens one step computes: decodes + prefill chunks (>= max_num_seqs)")
     kv_policy: KVPolicy = Field(SchedulerConfig.kv_policy, description="grow: blocks as needed, preempt by recompute | reserve: prompt + max_new at admission")
-    attention: ATTENTION_CHOICES = Field("auto", description="paged attention backend: auto (measured, attention_choice.py) | gather | flex | kernel")
+    attention: ATTENTION_CHOICES = Field("auto", description="paged attention backend: auto (measured once per machine and "
+                                                            "settings, then cached: attention_choice.py) | gather | flex | kernel")
+    remeasure_attention: bool = Field(False, description="with --attention auto: measure again even if this machine's cached "
+                                                          "choice exists (under $SFS_CACHE_DIR), and replace it")
     kv_cache_dtype: KV_CACHE_DTYPES = Field("auto", description=f"dtype of the paged pool's keys and values: {KV_CACHE_RULE} | fp32 | bf16")
     prefix_caching: Literal["on", "off"] = Field(
         "on", description="on: a request reuses the cached KV blocks of a prefix already computed (full blocks, by their tokens) | off")
@@ -127,8 +137,18 @@ class StreamingOptions(BaseSettings):
                              "above 1: fewer wake-ups and writes on the event loop, text in bursts")
 
 
-class ContinuousSettings(SchedulerOptions, StreamingOptions, PagedPoolOptions, EngineOptions, ProductionOptions, ServerSettings):
-    """Chapter 2's knobs, chapter 4's pool size, chapter 5's engine, chapter 7's shell, the scheduler's, the stream's."""
+class TracingOptions(BaseSettings):
+    """Where each request's trace goes (:mod:`~chapters.ch08_continuous_batching.tracing`), if anywhere."""
+
+    model_config = ServerSettings.model_config
+
+    otlp_endpoint: str = Field(
+        "", description="send one OpenTelemetry trace per request over OTLP/HTTP to this collector (e.g. Jaeger's "
+                        "http://127.0.0.1:4318); empty: no tracing, no OpenTelemetry SDK loaded")
+
+
+class ContinuousSettings(SchedulerOptions, StreamingOptions, TracingOptions, PagedPoolOptions, EngineOptions, ProductionOptions, ServerSettings):
+    """Chapter 2's knobs, chapter 4's pool size, chapter 5's engine, chapter 7's shell, the scheduler's, the stream's, tracing."""
 
 
 def served_name(source: str) -> str:
@@ -142,6 +162,7 @@ def build_backend(settings: ContinuousSettings, loaded: LoadedModel,
 
     ``wrap_model`` wraps what the engine calls (tests hold or fail steps with it).
     """
+    quiet_unactionable_warnings()  # before chapter 5's engine imports the optional libraries that log them
     step_engine = engine_for(settings, loaded)  # chapter 5: its rule's choice, or the one named
     model = packed_model(step_engine)
     kv_dtype = kv_cache_dtype(settings.kv_cache_dtype, multiplies_in_bf16(step_engine), step_engine.dtype)
@@ -154,13 +175,15 @@ def build_backend(settings: ContinuousSettings, loaded: LoadedModel,
         store.manager.total_blocks, store.block_tokens, dtype_name, pool.stats().bytes_total / 2**20, pool.device,
         plan.rule, settings.kv_policy, settings.prefix_caching,
     )
-    attention = or_meanwhile(lambda: choose_attention(settings.attention, store, model, settings.max_num_seqs),
+    attention = or_meanwhile(lambda: choose_attention(settings.attention, store, model, settings.max_num_seqs,
+                                                        settings.remeasure_attention),
                              lambda: GatherAttention(store), "attention is gather, not warmed up")
     scheduler = ContinuousScheduler(store, settings.scheduler_config())
     runner = ModelRunner(wrap_model(model) if wrap_model else model, store, attention)
     description = {"model": loaded.source, "kv_policy": settings.kv_policy, "prefix_caching": settings.prefix_caching, "pool_rule": plan.rule,
                    "engine": step_engine.describe(), "attention": attention.name, "kv_cache_dtype": dtype_name}
-    return ContinuousBackend(StepThread(runner, scheduler, settings.stream_interval), settings.max_queue, description)
+    step_thread = (TracedStepThread if settings.otlp_endpoint else StepThread)(runner, scheduler, settings.stream_interval)
+    return ContinuousBackend(step_thread, settings.max_queue, description)
 
 
 def build_app(settings: ContinuousSettings, wrap_model: Callable[[PackedModel], PackedModel] | None = None) -> FastAPI:
@@ -174,6 +197,10 @@ def build_app(settings: ContinuousSettings, wrap_model: Callable[[PackedModel], 
         lambda: [(v.name, v.backend) for v in list(versions.values()) if v.backend is not None]))
     model_name = settings.served_model_name or served_name(app.state.first_source)
     CompletionsApi(app.state.backend, app.state.tokenizer, app.state.limits, model_name, settings.stream_interval).register(app)
+    app.state.tracing = tracing_for(settings.otlp_endpoint) if settings.otlp_endpoint else None
+    if app.state.tracing is not None:  # outermost: its span is current while chapter 7's shell logs the request
+        app.add_middleware(TracedRequests, tracing=app.state.tracing)
+        log_trace_ids(REQUEST_LOG)  # a request's log line leads to its trace
     return app
 
 

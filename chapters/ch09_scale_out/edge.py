@@ -31,12 +31,15 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 
 from starlette.middleware import Middleware
 
 from chapters.ch08_continuous_batching.streaming import sse
+from chapters.ch08_continuous_batching.tracing import OTLP_ENDPOINT_ENV, TracedRequests, tracing_for
 from chapters.ch09_scale_out.routing import TOKEN_BUDGET_HEADER, token_budget
+from chapters.ch09_scale_out.stopping import DrainAtTheEdge
 from shared.schemas import error_body
 
 log = logging.getLogger("chapters.ch09_scale_out.edge")
@@ -45,12 +48,66 @@ REPLAY_LIMIT_BYTES = 1 << 20  # a request body kept for one replay; the contract
 SERVE_ERROR_TYPES = {404: "not_found", 408: "deadline_exceeded", 429: "overloaded", 500: "replica_failed", 503: "unavailable"}
 ATTEMPTS_HEADER = b"x-attempts"
 REQUEST_ID_HEADER = b"x-request-id"
+EDGE_SERVICE = "ch09-edge"
 REPLICA_FAILED = "the replica serving this request stopped before it finished (its process ended); retry it"
 
 
 def proxy_middlewares() -> list[Middleware]:
-    """Serve's proxy calls this (``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``) for the middlewares around it."""
-    return [Middleware(ContractAtTheEdge)]
+    """Serve's proxy calls this (``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``) for the middlewares around it.
+
+    Serve wraps them in order, so the last is outermost: the drain (:mod:`~chapters.ch09_scale_out.stopping`)
+    counts a request from arrival to its last byte, replays included.
+    """
+    return [Middleware(ContractAtTheEdge), Middleware(DrainAtTheEdge), *traced_edge()]
+
+
+def traced_edge() -> list[Middleware]:
+    """The edge span, outermost, and inside it the span's context put on the request for its replica, when
+    ``SFS_OTLP_ENDPOINT`` names a collector (chapter 9's ``main`` sets it for its cluster)."""
+    endpoint = os.environ.get(OTLP_ENDPOINT_ENV, "")
+    if not endpoint:
+        return []
+    return [Middleware(TraceContextToReplica), Middleware(TraceAtTheEdge, tracing=tracing_for(endpoint, EDGE_SERVICE))]
+
+
+class TraceAtTheEdge(TracedRequests):
+    """Chapter 8's request span, as the edge's, in the proxy's process; its context goes on to the replica.
+
+    Serve's proxy hands the replica the request's ASGI scope, headers and all, so the W3C
+    ``traceparent`` header added here reaches chapter 8's shell, whose span becomes this one's child:
+    one trace across the two processes, a replayed request's two attempts under one edge span.
+    """
+
+    span_prefix = "edge "
+    answer_span = False
+
+
+class TraceContextToReplica:
+    """ASGI middleware inside the edge span: the request goes on to its replica carrying the span's context."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self.app(with_trace_context(scope) if scope["type"] == "http" else scope, receive, send)
+
+
+def with_trace_context(scope: dict) -> dict:
+    """``scope`` with the current span's context in its headers, as W3C ``traceparent`` (and ``tracestate``),
+    replacing any the client sent; every other header kept, in order. No current span: no header added.
+
+    A span's parent crosses a process only in what the request carries: the replica's shell reads this
+    header (``propagate.extract``) and opens its span as this one's child.
+    """
+    from opentelemetry import propagate
+
+    # EXERCISE ch09.4 BEGIN "a span's parent across a process: the current trace context into the request's headers"
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)  # the configured propagator writes the current context: W3C trace context by default
+    names = {name.lower().encode() for name in carrier} | {b"traceparent", b"tracestate"}
+    headers = [(k, v) for k, v in scope.get("headers", []) if bytes(k).lower() not in names]
+    return {**scope, "headers": [*headers, *((k.encode("latin-1"), v.encode("latin-1")) for k, v in carrier.items())]}
+    # EXERCISE ch09.4 END
 
 
 @dataclass

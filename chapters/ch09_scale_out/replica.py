@@ -11,7 +11,12 @@ one replica answers exactly as chapter 8 does. What Serve needs from it, and whe
   (``max_queued_requests``) and hands it to the first replica with room, instead of one replica
   refusing while another idles;
 - **whether it is healthy** (``check_health``): chapter 7's readiness, a real request through the
-  model. Serve has no "alive but not ready" state: a replica whose probe fails is replaced;
+  model. Serve has no "alive but not ready" state: a replica whose probe fails is replaced (one whose
+  probe is only slow, a busy replica, not before ``SLOW_PROBE_GRACE_S``);
+- **how many**: ``--num-replicas`` for the load, plus ``--spare-replicas`` warm spares. A spare is not
+  held back: Serve's router spreads requests over every replica, so each holds a little less, and
+  when one dies the rest still add up to what the load needs while Serve starts its replacement
+  (a new process, its imports and chapter 8's start-up);
 - **how it stops**: Serve stops routing to a replica, waits up to ``graceful_shutdown_timeout_s``
   (chapter 7's ``--drain-timeout-s``) for its requests, then shuts the app down; the app's drain
   runs first (readiness 503, new requests 503 + ``Retry-After``, wait for those in flight), exactly
@@ -20,6 +25,7 @@ one replica answers exactly as chapter 8 does. What Serve needs from it, and whe
 
 from __future__ import annotations
 
+import time
 from typing import Any, Literal
 
 import ray
@@ -38,6 +44,8 @@ from shared.settings import ServerSettings
 # check_health reads chapter 7's last verdict (no model work), so asking often is free; it is also how
 # Serve's controller notices a replica whose process died, so the period bounds how long that takes.
 HEALTH_CHECK_PERIOD_S = 1.0
+# How long a replica's readiness probe may stay slow before Serve replaces it (replica_health).
+SLOW_PROBE_GRACE_S = 30.0
 
 
 class ReplicaOptions(BaseSettings):
@@ -46,6 +54,8 @@ class ReplicaOptions(BaseSettings):
     model_config = ServerSettings.model_config
 
     num_replicas: int = Field(1, ge=1, description="copies of chapter 8's server behind Serve's proxy (with --max-replicas: the fewest)")
+    spare_replicas: int = Field(0, ge=0, description="warm spares: replicas running beyond --num-replicas (and autoscaling's fewest), so a "
+                                "killed replica's share is carried while its replacement starts")
     max_replicas: int = Field(0, ge=0, description="0: always --num-replicas; above it, Serve adds and removes replicas between the two by the requests each holds")
     target_ongoing_requests: int = Field(0, ge=0, description="autoscaling's target of requests held per replica; 0: chapter 8's --max-num-seqs (a full batch)")
     upscale_delay_s: float = Field(30.0, gt=0, description="autoscaling: how long load must stay above the target before a replica is added (Serve's default)")
@@ -67,10 +77,11 @@ def autoscaling_config(settings: ContinuousSettings, options: ReplicaOptions) ->
     """Serve's autoscaling on requests held per replica, or None for a fixed count."""
     if not options.max_replicas:
         return None
+    fewest = options.num_replicas + options.spare_replicas
     return {
-        "min_replicas": options.num_replicas,
-        "initial_replicas": options.num_replicas,
-        "max_replicas": options.max_replicas,
+        "min_replicas": fewest,
+        "initial_replicas": fewest,
+        "max_replicas": max(options.max_replicas, fewest),
         # a replica holding a full batch is busy: past that, its requests queue (chapter 8's waiting)
         "target_ongoing_requests": options.target_ongoing_requests or settings.max_num_seqs,
         "upscale_delay_s": options.upscale_delay_s,
@@ -85,7 +96,7 @@ def deployment_options(settings: ContinuousSettings, options: ReplicaOptions) ->
     """Serve's options for the replicas, from chapter 8's limits, chapter 7's drain and the replica options."""
     scaling = autoscaling_config(settings, options)
     return {
-        **({"autoscaling_config": scaling} if scaling else {"num_replicas": options.num_replicas}),
+        **({"autoscaling_config": scaling} if scaling else {"num_replicas": options.num_replicas + options.spare_replicas}),
         "max_ongoing_requests": settings.max_num_seqs + settings.max_queue,
         "max_queued_requests": settings.max_queue,
         "graceful_shutdown_timeout_s": settings.drain_timeout_s,
@@ -98,15 +109,23 @@ def deployment_options(settings: ContinuousSettings, options: ReplicaOptions) ->
     }
 
 
-def replica_health(backend: ProductionBackend) -> None:
+def replica_health(backend: ProductionBackend, unready_for_s: float = 0.0) -> None:
     """Raise when chapter 7's readiness says the replica cannot serve (Serve then replaces it).
 
-    Not yet probed (start-up) and draining (Serve is already stopping it) count as healthy.
+    Not yet probed (start-up) and draining (Serve is already stopping it) count as healthy. So does a
+    probe that is only slow (it timed out, or the previous one is still running) for less than
+    ``SLOW_PROBE_GRACE_S`` (``unready_for_s``: since the last ready verdict): on a busy machine that is
+    load, and Serve, which has no "alive but not ready", would kill the replica when its capacity is
+    needed most, and its replacement, starting on the same busy cores, the same way. A probe that
+    failed, or one slow past the grace, is a replica a restart may fix.
     """
     ready, reason = backend.readiness()
     if ready or backend.drain.draining or backend.probe.last is None:
         return
-    raise RuntimeError(f"not ready: {reason}")
+    failed = reason.startswith("the probe failed")  # chapter 7's ReadinessProbe: else it timed out or is still running
+    if not failed and unready_for_s < SLOW_PROBE_GRACE_S:
+        return
+    raise RuntimeError(f"not ready: {reason}" + ("" if failed else f" (for {unready_for_s:.0f} s)"))
 
 
 class DrainBeforeShutdown:
@@ -165,7 +184,11 @@ class ContinuousReplica:
 
     def __serve_build_asgi_app__(self):
         self.server_app = build_app(self.settings)
+        self.ready_at = time.monotonic()  # the last check_health that found it ready (or still starting)
         return DrainBeforeShutdown(self.server_app, self.server_app.state.drain)
 
     async def check_health(self) -> None:
-        replica_health(self.server_app.state.production)
+        backend, now = self.server_app.state.production, time.monotonic()
+        if backend.readiness()[0] or backend.probe.last is None:
+            self.ready_at = now
+        replica_health(backend, unready_for_s=now - self.ready_at)

@@ -5,7 +5,9 @@
 ``--num-replicas`` copies of chapter 8's server (:mod:`~chapters.ch09_scale_out.replica`). A request
 reaches the proxy, Serve's router picks a replica (by default: of two replicas drawn at random, the
 one with fewer requests in flight), and the replica answers as chapter 8 would, streams included.
-SIGTERM or Ctrl-C stops Serve, which drains every replica, then Ray.
+SIGTERM or Ctrl-C drains first at the edge (new requests get the contract's 503, those in flight
+finish and reach their clients), then the replicas, Serve's proxy and Ray stop
+(:mod:`~chapters.ch09_scale_out.stopping`).
 """
 
 from __future__ import annotations
@@ -16,13 +18,16 @@ import signal
 import socket
 import sys
 
+import ray
 from ray import serve
 
 from chapters.ch05_inference_engine.server import EngineOptions
 from chapters.ch07_production.request_log import configure_json_logging
 from chapters.ch07_production.server import ProductionOptions
-from chapters.ch08_continuous_batching.server import ContinuousSettings, PagedPoolOptions, SchedulerOptions, StreamingOptions
+from chapters.ch08_continuous_batching.server import ContinuousSettings, PagedPoolOptions, SchedulerOptions, StreamingOptions, TracingOptions
+from chapters.ch08_continuous_batching.tracing import OTLP_ENDPOINT_ENV
 from chapters.ch09_scale_out.cluster import local_cluster
+from chapters.ch09_scale_out.stopping import drain_edges, drain_signal
 from chapters.ch09_scale_out.replica import ContinuousReplica, ReplicaOptions, deployment_options
 from shared.settings import ServerSettings, parse_settings
 
@@ -30,7 +35,7 @@ log = logging.getLogger("chapters.ch09_scale_out")
 APP_NAME = "ch09"
 
 
-class ScaleOutSettings(ReplicaOptions, SchedulerOptions, StreamingOptions, PagedPoolOptions, EngineOptions, ProductionOptions, ServerSettings):
+class ScaleOutSettings(ReplicaOptions, SchedulerOptions, StreamingOptions, TracingOptions, PagedPoolOptions, EngineOptions, ProductionOptions, ServerSettings):
     """Chapter 8's knobs (each replica gets them all: :class:`ContinuousSettings`) and the replicas'."""
 
 
@@ -69,14 +74,21 @@ def main(argv: list[str] | None = None) -> None:
               file=sys.stderr)
         raise SystemExit(2)
     configure_json_logging(settings.log_level)
+    if settings.otlp_endpoint:  # the proxy (edge.py's edge span) reads it: Ray's processes inherit this environment
+        os.environ[OTLP_ENDPOINT_ENV] = settings.otlp_endpoint
     port = settings.port or _free_port(settings.host)
     stop = {signal.SIGTERM, signal.SIGINT}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop)  # delivered to sigwait below, not to Ray's threads
     with local_cluster(settings.host, port, address=settings.ray_address, dashboard=settings.ray_dashboard):
+        edges_signal = drain_signal()  # the edges find this one (stopping.py); this process removes it at the end
         serve.run(build_application(settings), name=APP_NAME, route_prefix="/", blocking=False)
-        log.info("serving %d replica(s) on http://%s:%d", settings.num_replicas, settings.host, port)
+        log.info("serving %d replica(s) (%d of them spare) on http://%s:%d", settings.num_replicas + settings.spare_replicas,
+                 settings.spare_replicas, settings.host, port)
         received = signal.sigwait(stop)
-        log.info("%s: stopping Serve (each replica drains), then Ray", signal.Signals(received).name)
+        log.info("%s: draining at the edge, then the replicas, Serve's proxy and Ray stop", signal.Signals(received).name)
+        drain_edges(settings.drain_timeout_s)
+        serve.delete(APP_NAME)  # the replicas (each drains: nothing is left in it); the edge still answers 503
+        ray.kill(edges_signal)  # detached: a cluster joined by address keeps running, and must not stay draining
 
 
 if __name__ == "__main__":

@@ -41,6 +41,9 @@ CONFIGS: dict[str, tuple[str, str, dict[str, str]]] = {
     "chapter 8 alone": (CH08, "", {}),
     "1 replica, actor calls": (CH09, "--num-replicas 1 --replica-cpus 1", {"RAY_SERVE_PROXY_USE_GRPC": "0"}),
     "1 replica": (CH09, "--num-replicas 1 --replica-cpus 1", {}),
+    # Serve runs the app on an event loop of its own thread unless told not to; the step thread then
+    # contends with two loops for the interpreter lock (the serve-path comparison measures it).
+    "1 replica, user code on Serve's loop": (CH09, "--num-replicas 1 --replica-cpus 1", {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}),
     "2 replicas, pow2": (CH09, "--num-replicas 2 --replica-cpus 0.5 --router pow2", {}),
     "2 replicas, least-tokens": (CH09, "--num-replicas 2 --replica-cpus 0.5 --router least-tokens", {}),
 }

@@ -15,7 +15,9 @@ end and outcome is kept (:func:`outcome_of_whole`, :func:`outcome_of_stream`):
 ``drill``: ``--clients`` clients for ``--load-before-s``, then SIGKILL one replica's process (Ray
 titles it ``ray::ServeReplica:ch09:...``), load for ``--load-after-s`` more. Times are from the
 kill. :func:`account` is the ledger: nothing lost, only requests in flight at the kill touched,
-and ``capacity_back_s``, when Serve counted ``--num-replicas`` running replicas again.
+``capacity_back_s``, when Serve counted ``--num-replicas`` running replicas again (with
+``--spare-replicas``, the survivors already make that count), when every replica ran again, and
+the answers per second just before and after the kill.
 
 ``autoscale``: ``--min-replicas`` to ``--max-replicas`` with short delays; the clients follow
 ``--steps`` (``seconds:clients`` each), e.g. a quiet start, a step up, a step down. Times are from
@@ -129,24 +131,22 @@ def outcome_of_stream(status: int, headers: httpx.Headers, lines: list[str]) -> 
     return "broken", f"the stream stopped after {len(events)} events without done or error"
 
 
-def account(requests: list[RequestSpan], polls: list[Poll], num_replicas: int) -> dict:
+def account(requests: list[RequestSpan], polls: list[Poll], num_replicas: int, spare_replicas: int = 0,
+            window_s: float = 5.0) -> dict:
     """The drill's ledger (times from the kill at 0 s).
 
     ``touched``: requests that were replayed or failed; each must have been in flight at the kill
     (``touched_outside_kill`` counts those that were not). ``capacity_back_s``: the first poll after
-    the kill with ``num_replicas`` running replicas, none of them the killed process (None: never).
+    the kill with the ``num_replicas`` the load needs running, none of them the killed process (None:
+    never); with warm spares that is as soon as Serve counts the survivors. ``replacement_ready_s``:
+    the first with every replica, spares included, running again. ``answers_per_s_before``/``_after``:
+    answers completed (ok or replayed, streams included) per second in the ``window_s`` before and after the kill.
     """
+    capacity_back_s = _first_poll_with(polls, num_replicas)
+    answered = [r.end_s for r in requests if r.outcome in ("ok", "replayed")]
     by_outcome = {name: sum(1 for r in requests if r.outcome == name) for name in OUTCOMES}
     in_flight_at_kill = [r for r in requests if r.start_s <= 0 <= r.end_s]
     touched = [r for r in requests if r.outcome in ("replayed", "contract_error", "broken")]
-    before = [p for p in polls if p.t_s < 0]
-    killed_pids = set(before[-1].replica_pids) if before else set()
-    capacity_back_s = None
-    for poll in polls:
-        if poll.t_s >= 0 and poll.running == num_replicas and len(set(poll.replica_pids)) == num_replicas \
-                and set(poll.replica_pids) != killed_pids:
-            capacity_back_s = poll.t_s
-            break
     return {
         "requests": len(requests),
         **by_outcome,
@@ -155,7 +155,22 @@ def account(requests: list[RequestSpan], polls: list[Poll], num_replicas: int) -
         "touched_outside_kill": sum(1 for r in touched if not r.start_s <= 0 <= r.end_s),
         "contract_error_types": sorted({r.detail for r in requests if r.outcome == "contract_error"}),
         "capacity_back_s": capacity_back_s,
+        "spare_replicas": spare_replicas,
+        "replacement_ready_s": _first_poll_with(polls, num_replicas + spare_replicas) if spare_replicas else capacity_back_s,
+        "answers_per_s_before": round(sum(1 for t in answered if -window_s <= t < 0) / window_s, 2),
+        "answers_per_s_after": round(sum(1 for t in answered if 0 <= t < window_s) / window_s, 2),
     }
+
+
+def _first_poll_with(polls: list[Poll], replicas: int) -> float | None:
+    """The first poll after the kill with ``replicas`` running by Serve's count and as live processes, not the killed one."""
+    before = [p for p in polls if p.t_s < 0]
+    killed_pids = set(before[-1].replica_pids) if before else set()
+    for poll in polls:
+        if poll.t_s >= 0 and poll.running is not None and poll.running >= replicas \
+                and len(set(poll.replica_pids)) >= replicas and set(poll.replica_pids) != killed_pids:
+            return poll.t_s
+    return None
 
 
 def replica_processes() -> list[psutil.Process]:
@@ -301,7 +316,7 @@ def run(scenario: str, args: argparse.Namespace, argv: list[str]) -> Timeline:
     from shared.settings import parse_settings
 
     if scenario == "drill":
-        replicas = ["--num-replicas", str(args.num_replicas)]
+        replicas = ["--num-replicas", str(args.num_replicas), "--spare-replicas", str(args.spare_replicas)]
         steps = [(args.load_before_s + args.load_after_s, args.clients)]
         kill_after_s = args.load_before_s
     else:
@@ -337,7 +352,7 @@ def run(scenario: str, args: argparse.Namespace, argv: list[str]) -> Timeline:
         polls = [Poll(round(p.t_s - killed_at_s, 4), p.running, p.replica_pids) for p in polls]
     timeline.killed_pid, timeline.killed_at_s = killed_pid, killed_at_s
     timeline.requests, timeline.polls = spans, polls
-    timeline.accounting = account(spans, polls, args.num_replicas) if scenario == "drill" else summarize_load(spans)
+    timeline.accounting = account(spans, polls, args.num_replicas, args.spare_replicas) if scenario == "drill" else summarize_load(spans)
     return timeline
 
 
@@ -368,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     scenarios = parser.add_subparsers(dest="scenario", required=True)
     drill = scenarios.add_parser("drill", help="kill one replica under load")
     drill.add_argument("--num-replicas", type=int, default=2)
+    drill.add_argument("--spare-replicas", type=int, default=0, help="warm spares beyond --num-replicas (chapter 9's --spare-replicas)")
     drill.add_argument("--clients", type=int, default=8, help="closed-loop clients; every other request of each is a stream")
     drill.add_argument("--load-before-s", type=float, default=5.0, help="load before the kill")
     drill.add_argument("--load-after-s", type=float, default=40.0, help="load after the kill")

@@ -1,0 +1,76 @@
+"""README blocks of the peers: other servers measured on the same model, core and client as chapter 8.
+
+``vllm-peer``: vLLM's CPU backend beside chapter 8, from ``benchmarks.studies.vllm_peer.peer compare``
+(one JSON per workload and answer kind under ``<dir>/vllm-peer/``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks.report.paths import current_command, repo_path
+
+VLLM_PEER_DIR = "vllm-peer"
+VLLM_PEER_COMMAND = ("python -m benchmarks.studies.vllm_peer.peer compare --workloads default mixed shared-prefix "
+                     "--answers whole stream --users 64 --duration-s 25 --rounds 3")
+_WORKLOAD_ORDER = {"default": 0, "mixed": 1, "shared-prefix": 2}
+
+
+def _rounds(figures: dict) -> list[dict]:
+    """A server's every round (a file keeps them under ``rounds`` when there were several)."""
+    return figures.get("rounds") or [figures]
+
+
+def _seconds(figures: dict, what: str, pick: str) -> float:
+    return figures[what][pick] / 1e3
+
+
+def vllm_peer_block(directory: Path) -> str:
+    """Chapter 8 against vLLM's CPU backend, one row per workload and answer kind: each server's median-QPS round,
+    the ratio of those and of every round (round i of one against round i of the other), the tails and first tokens."""
+    folder = directory / VLLM_PEER_DIR
+    files = sorted(folder.glob("*.json")) if folder.exists() else []
+    runs = [json.loads(path.read_text()) for path in files]
+    runs = [run for run in runs if run.get("kind") == "vllm-peer"]
+    if not runs:
+        return (f"*Not measured yet: `{VLLM_PEER_COMMAND} --out-dir {repo_path(folder)}` records it "
+                "(vLLM installed first: `bash benchmarks/studies/vllm_peer/setup_venv.sh`).*")
+    lines = ["| workload | answers | users | rounds | ch08 QPS | vLLM QPS | ch08 / vLLM (each round) | P99 ch08 / vLLM (s) "
+             "| TTFT P50 ch08 / vLLM (ms) | TTFT P99 ch08 / vLLM (ms) | errors, short answers |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    runs.sort(key=lambda run: (_WORKLOAD_ORDER.get(run["workload"], 9), run["workload"], run["answers"] != "whole"))
+    for run in runs:
+        ours, peer = run["chapters"]["ch08"], run["chapters"]["vllm"]
+        each = ", ".join(f"{a['qps'] / b['qps']:.2f}" for a, b in zip(_rounds(ours), _rounds(peer)))
+        streamed = run["answers"] == "stream"
+        ttft50 = f"{ours['ttft_ms']['p50']:,.0f} / {peer['ttft_ms']['p50']:,.0f}" if streamed else "—"
+        ttft99 = f"{ours['ttft_ms']['p99']:,.0f} / {peer['ttft_ms']['p99']:,.0f}" if streamed else "—"
+        errors = sum(sum(r["errors"].values()) for f in (ours, peer) for r in _rounds(f))
+        short = sum(r.get("short_answers", 0) for f in (ours, peer) for r in _rounds(f))
+        lines.append(f"| `{run['workload']}` | {'streamed' if streamed else 'whole'} | {run['users']} | {run['rounds']} "
+                     f"| {ours['qps']:.1f} | {peer['qps']:.1f} | {ours['qps'] / peer['qps']:.2f}× ({each}) "
+                     f"| {_seconds(ours, 'e2e_ms', 'p99'):.2f} / {_seconds(peer, 'e2e_ms', 'p99'):.2f} | {ttft50} | {ttft99} "
+                     f"| {errors}, {short} |")
+    return "\n".join(lines) + "\n\n" + _how(runs, folder)
+
+
+def _how(runs: list[dict], folder: Path) -> str:
+    """The sentence under the table: the commands, how the servers ran, what vLLM was."""
+    from benchmarks.harness.streaming import describe_harness
+
+    commands = "; ".join(sorted({f"`{current_command(run['command'])}`" for run in runs}))
+    settings = "; ".join(sorted({describe_harness(run.get("harness")) for run in runs}))
+    vllm = sorted({f"vLLM {run['servers']['vllm'].get('version') or '(version not recorded)'} at {run['servers']['vllm']['dtype']}"
+                   for run in runs})
+    commits = ", ".join(sorted({f"`{(run['harness'].get('git_commit') or '')[:7]}`"
+                                + (" with uncommitted changes (the next commit's code)" if run["harness"].get("git_dirty") else "")
+                                for run in runs}))
+    # what chapter 8's start-up rules chose in each file's median round (they measure, so a day may differ)
+    chose = sorted({f"{engine['engine']}/{engine['precision']}" + (f" with {ours['attention']} attention" if ours.get("attention") else "")
+                    for run in runs for ours in [run["chapters"]["ch08"]] if (engine := ours.get("engine"))})
+    return (f"Each row is one file of `{repo_path(folder)}/` (`<workload>-<whole|stream>.json`): per server its round of median "
+            "QPS; the rounds alternate the two servers, each started fresh, and `each round` pairs them in order. P99 is of the "
+            "whole answer; TTFT is the first streamed token. Both served the embedded model (vLLM its Hugging Face export, "
+            f"`export_hf.py`) to the same streaming client on OpenAI's `/v1/completions`; {', '.join(vllm)}, chapter 8 at its "
+            f"defaults{' (it chose ' + ', '.join(chose) + ')' if chose else ''}. Reproduce: {commands}. How they ran: {settings}. Commits: {commits}.")
