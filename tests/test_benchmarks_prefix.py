@@ -342,3 +342,17 @@ def test_the_streaming_client_counts_every_token_of_a_real_stream_and_every_fail
                 assert all(len(r.token_times) == 32 and r.sent <= r.token_times[0] <= r.ended for r in records)
     records, window = asyncio.run(streaming.run_closed_loop(f"http://127.0.0.1:{free_port()}", 2, 0.3, "default", True))
     assert records and {r.status for r in records} == {-1} and window < 10
+
+
+def test_the_targets_block_judges_prefix_cachings_ttft_against_a_third_of_caching_off(tmp_path: Path):
+    from benchmarks.report.streaming_blocks import PREFIX_CACHING_TTFT_TARGET, _prefix_caching_target_rows
+
+    assert "not measured" in _prefix_caching_target_rows(tmp_path)[0]
+    document = _write(tmp_path, "shared-prefix")
+    on, off = document["chapters"]["caching-on"], document["chapters"]["caching-off"]
+    for on_ms, verdict in ((off["ttft_ms"]["p50"] * 0.5, "**no**"), (off["ttft_ms"]["p50"] * 0.25, "yes")):
+        on["ttft_ms"]["p50"] = on_ms  # the median-QPS round's figure is what the row reads
+        (tmp_path / PREFIX_CACHING_DIR / "shared-prefix.json").write_text(json.dumps(document))
+        row = _prefix_caching_target_rows(tmp_path)[0]
+        assert f"| {on_ms / off['ttft_ms']['p50']:.2f}× |" in row and row.endswith(f"| {verdict} |"), row
+        assert f"<= {PREFIX_CACHING_TTFT_TARGET:.2f}×" in row

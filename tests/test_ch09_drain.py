@@ -20,7 +20,7 @@ from benchmarks.harness.server_process import running_module
 
 MODULE = "chapters.ch09_scale_out"
 DRAIN_TIMEOUT_S = 60
-ARGS = ["--num-replicas", "2", "--replica-cpus", "0.5", "--device", "cpu", "--precision", "fp32", "--attention", "gather",
+ARGS = ["--num-replicas", "2", "--spare-replicas", "0", "--replica-cpus", "0.5", "--device", "cpu", "--precision", "fp32", "--attention", "gather",
         "--torch-threads", "1", "--max-num-seqs", "16", "--max-queue", "8", "--probe-interval-s", "3600",
         "--drain-timeout-s", str(DRAIN_TIMEOUT_S)]
 NEW_TOKENS = 128  # long enough that every answer is mid-way when the signal lands

@@ -29,7 +29,7 @@ from chapters.ch09_scale_out.server import ScaleOutSettings, replica_settings
 MODULE = "chapters.ch09_scale_out"
 # Ray's start and Serve's stop take about half a minute: the process tests run in `make test-slow`.
 SLOW_RAY = pytest.mark.slow
-ARGS = ["--num-replicas", "2", "--replica-cpus", "0.5", "--router", "least-tokens", "--device", "cpu", "--precision", "fp32", "--attention", "gather",
+ARGS = ["--num-replicas", "2", "--spare-replicas", "0", "--replica-cpus", "0.5", "--router", "least-tokens", "--device", "cpu", "--precision", "fp32", "--attention", "gather",
         "--torch-threads", "1", "--max-num-seqs", "16", "--max-queue", "8", "--probe-interval-s", "3600",
         "--drain-timeout-s", "10"]
 PROMPTS = [[5, 6, 7, 8], [1, 2, 3], list(range(20, 52))]
@@ -162,7 +162,7 @@ def test_a_replica_killed_mid_request_costs_only_its_requests_each_replayed_or_a
 
 
 def test_serves_limits_come_from_chapter_8s_scheduler_and_chapter_7s_drain() -> None:
-    settings = ScaleOutSettings(max_num_seqs=16, max_queue=8, drain_timeout_s=12.0, num_replicas=3, replica_cpus=0.5)
+    settings = ScaleOutSettings(max_num_seqs=16, max_queue=8, drain_timeout_s=12.0, num_replicas=3, spare_replicas=0, replica_cpus=0.5)
     options = deployment_options(replica_settings(settings), settings)
     assert options["max_ongoing_requests"] == 16 + 8  # never Serve's default of 5: that would cap a batch at 5 rows
     assert options["max_queued_requests"] == 8
@@ -180,7 +180,7 @@ def test_serves_limits_come_from_chapter_8s_scheduler_and_chapter_7s_drain() -> 
 def test_autoscaling_runs_between_num_and_max_replicas_on_a_full_batch_per_replica() -> None:
     from ray.serve.config import AutoscalingConfig
 
-    settings = ScaleOutSettings(max_num_seqs=16, num_replicas=1, max_replicas=3, upscale_delay_s=2, downscale_delay_s=5)
+    settings = ScaleOutSettings(max_num_seqs=16, num_replicas=1, spare_replicas=0, max_replicas=3, upscale_delay_s=2, downscale_delay_s=5)
     options = deployment_options(replica_settings(settings), settings)
     scaling = AutoscalingConfig(**options["autoscaling_config"])  # Serve's own validation
     assert (scaling.min_replicas, scaling.initial_replicas, scaling.max_replicas) == (1, 1, 3)
@@ -196,8 +196,10 @@ def test_autoscaling_runs_between_num_and_max_replicas_on_a_full_batch_per_repli
 def test_spare_replicas_run_beyond_what_the_load_needs_fixed_or_autoscaled() -> None:
     from ray.serve.config import AutoscalingConfig
 
-    fixed = ScaleOutSettings(num_replicas=2, spare_replicas=1)
+    fixed = ScaleOutSettings(num_replicas=2)  # one spare by default: a kill never takes the load's capacity
     assert deployment_options(replica_settings(fixed), fixed)["num_replicas"] == 3
+    none = ScaleOutSettings(num_replicas=2, spare_replicas=0)
+    assert deployment_options(replica_settings(none), none)["num_replicas"] == 2
     scaled = ScaleOutSettings(num_replicas=1, spare_replicas=1, max_replicas=3)
     scaling = AutoscalingConfig(**deployment_options(replica_settings(scaled), scaled)["autoscaling_config"])
     assert (scaling.min_replicas, scaling.initial_replicas, scaling.max_replicas) == (2, 2, 3)  # never below need + spare

@@ -281,7 +281,7 @@ def test_the_edge_is_outermost_and_sends_its_span_on_in_the_traceparent_of_the_s
 def test_through_serve_the_edge_span_is_the_parent_of_the_replicas_spans(collector) -> None:
     from benchmarks.harness.server_process import running_module
 
-    args = ["--num-replicas", "1", "--replica-cpus", "0.5", "--device", "cpu", "--precision", "fp32", "--attention", "gather",
+    args = ["--num-replicas", "1", "--spare-replicas", "0", "--replica-cpus", "0.5", "--device", "cpu", "--precision", "fp32", "--attention", "gather",
             "--torch-threads", "1", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--probe-interval-s", "3600",
             "--drain-timeout-s", "10", "--otlp-endpoint", collector.url]
     env = {"OTEL_BSP_SCHEDULE_DELAY": "200"}  # the SDK's batch interval (ms), read in every process: spans arrive soon

@@ -11,9 +11,10 @@ from benchmarks.report.paths import current_command, repo_path
 
 
 SCALE_OUT_DIR = "ch09"
-DRILL_FILES = {"failure-drill.json": "fast start (engine, precision and attention pinned; gather: nothing compiled)",
-               "failure-drill-chapter-defaults.json": "chapter 8's defaults (engine and attention measured at start, flex compiled)",
-               **{f"failure-drill-spare-{k}.json": f"chapter 8's defaults, one warm spare (`--spare-replicas 1`), run {k}" for k in (1, 2, 3)}}
+DRILL_FILES = {"failure-drill.json": "fast start (engine, precision and attention pinned; gather: nothing compiled), no spare",
+               "failure-drill-chapter-defaults.json": "chapter 8's defaults (engine and attention measured at start, flex compiled), no spare",
+               **{f"failure-drill-spare-{k}.json": f"chapter 8's and 9's defaults: one warm spare (`--spare-replicas 1`), run {k}"
+                  for k in (1, 2, 3)}}
 
 
 def drill_block(directory: Path) -> str:

@@ -279,6 +279,7 @@ def ch08_targets_block(directory: Path) -> str:
     else:
         lines.append(f"| the climb's highest bar | default | — | `{CH08_TARGET_CLIMB}/` | — | 0 | not measured | — | > 1.00× | — |")
     lines += _vllm_peer_target_rows(directory)
+    lines += _prefix_caching_target_rows(directory)
     return ("\n".join(lines) + "\n\nEach row reads the committed files it names (under `" + repo_path(directory) + "/ch08/`, "
             "the climb under `" + repo_path(directory) + "/`). A ratio is of the two chapters' medians over the rounds, as the "
             "tables of those folders below read it; `each round` is every round's own. The rounds of one folder ran in one "
@@ -313,6 +314,30 @@ def _vllm_peer_target_rows(directory: Path) -> list[str]:
                     f"| {'yes' if value >= bound else '**no**'} |")
     return rows or ["| chapter 8's QPS over vLLM's CPU backend's | default, mixed, shared-prefix | 64 | `vllm-peer/` | — | 0 "
                     "| not measured: `python -m benchmarks.studies.vllm_peer.peer compare` | — | — | — |"]
+
+
+# Issue 46's bound on prefix caching: TTFT P50 with caching on over off, on shared prompts.
+PREFIX_CACHING_TTFT_TARGET = 1 / 3
+
+
+def _prefix_caching_target_rows(directory: Path) -> list[str]:
+    """The TTFT row of the committed shared-prefix comparison (``<dir>/ch08/prefix-caching/shared-prefix.json``):
+    the ratio of the two variants' TTFT P50 in their median-QPS rounds, and each round's (in the order they ran)."""
+    from benchmarks.harness.streaming import PREFIX_CACHING_DIR, PREFIX_CACHING_VARIANTS
+
+    path = directory / PREFIX_CACHING_DIR / "shared-prefix.json"
+    what = "TTFT P50, prefix caching on over off"
+    if not path.exists():
+        return [f"| {what} | shared-prefix | — | `{PREFIX_CACHING_DIR}/` | — | 0 | not measured | — | <= 0.33× | — |"]
+    run = json.loads(path.read_text())
+    on, off = (run["chapters"][label] for label in PREFIX_CACHING_VARIANTS)
+    value = on["ttft_ms"]["p50"] / off["ttft_ms"]["p50"]
+    each = " / ".join(f"{a['ttft_ms']['p50'] / b['ttft_ms']['p50']:.2f}×"
+                      for a, b in zip(on.get("rounds") or [on], off.get("rounds") or [off], strict=False))
+    folder = PREFIX_CACHING_DIR.removeprefix("ch08/")
+    return [f"| {what} | shared-prefix | {run['users']} | `{folder}/` (streamed) | `{(run['harness'].get('git_commit') or '')[:7]}` "
+            f"| {run['rounds']} | {value:.2f}× | {each} | <= {PREFIX_CACHING_TTFT_TARGET:.2f}× "
+            f"| {'yes' if value <= PREFIX_CACHING_TTFT_TARGET else '**no**'} |"]
 
 
 def deploy_block(directory: Path) -> str:

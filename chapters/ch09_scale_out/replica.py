@@ -13,7 +13,9 @@ one replica answers exactly as chapter 8 does. What Serve needs from it, and whe
 - **whether it is healthy** (``check_health``): chapter 7's readiness, a real request through the
   model. Serve has no "alive but not ready" state: a replica whose probe fails is replaced (one whose
   probe is only slow, a busy replica, not before ``SLOW_PROBE_GRACE_S``);
-- **how many**: ``--num-replicas`` for the load, plus ``--spare-replicas`` warm spares. A spare is not
+- **how many**: ``--num-replicas`` for the load, plus ``--spare-replicas`` warm spares (one by
+  default: a replacement's start takes longer than the seconds a killed replica's load may wait,
+  so capacity is kept, not rebuilt; ``--spare-replicas 0`` on a machine without room). A spare is not
   held back: Serve's router spreads requests over every replica, so each holds a little less, and
   when one dies the rest still add up to what the load needs while Serve starts its replacement
   (a new process, its imports and chapter 8's start-up);
@@ -54,8 +56,8 @@ class ReplicaOptions(BaseSettings):
     model_config = ServerSettings.model_config
 
     num_replicas: int = Field(1, ge=1, description="copies of chapter 8's server behind Serve's proxy (with --max-replicas: the fewest)")
-    spare_replicas: int = Field(0, ge=0, description="warm spares: replicas running beyond --num-replicas (and autoscaling's fewest), so a "
-                                "killed replica's share is carried while its replacement starts")
+    spare_replicas: int = Field(1, ge=0, description="warm spares: replicas running beyond --num-replicas (and autoscaling's fewest), so a "
+                                "killed replica's share is carried while its replacement starts; 0: none")
     max_replicas: int = Field(0, ge=0, description="0: always --num-replicas; above it, Serve adds and removes replicas between the two by the requests each holds")
     target_ongoing_requests: int = Field(0, ge=0, description="autoscaling's target of requests held per replica; 0: chapter 8's --max-num-seqs (a full batch)")
     upscale_delay_s: float = Field(30.0, gt=0, description="autoscaling: how long load must stay above the target before a replica is added (Serve's default)")

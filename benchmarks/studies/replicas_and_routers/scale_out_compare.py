@@ -39,13 +39,13 @@ CH08, CH09 = "chapters.ch08_continuous_batching", "chapters.ch09_scale_out"
 # core's worth. The chapter's proxy reaches replicas over gRPC; "actor calls" is Serve's default transport.
 CONFIGS: dict[str, tuple[str, str, dict[str, str]]] = {
     "chapter 8 alone": (CH08, "", {}),
-    "1 replica, actor calls": (CH09, "--num-replicas 1 --replica-cpus 1", {"RAY_SERVE_PROXY_USE_GRPC": "0"}),
-    "1 replica": (CH09, "--num-replicas 1 --replica-cpus 1", {}),
+    "1 replica, actor calls": (CH09, "--num-replicas 1 --spare-replicas 0 --replica-cpus 1", {"RAY_SERVE_PROXY_USE_GRPC": "0"}),
+    "1 replica": (CH09, "--num-replicas 1 --spare-replicas 0 --replica-cpus 1", {}),
     # Serve runs the app on an event loop of its own thread unless told not to; the step thread then
     # contends with two loops for the interpreter lock (the serve-path comparison measures it).
-    "1 replica, user code on Serve's loop": (CH09, "--num-replicas 1 --replica-cpus 1", {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}),
-    "2 replicas, pow2": (CH09, "--num-replicas 2 --replica-cpus 0.5 --router pow2", {}),
-    "2 replicas, least-tokens": (CH09, "--num-replicas 2 --replica-cpus 0.5 --router least-tokens", {}),
+    "1 replica, user code on Serve's loop": (CH09, "--num-replicas 1 --spare-replicas 0 --replica-cpus 1", {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}),
+    "2 replicas, pow2": (CH09, "--num-replicas 2 --spare-replicas 0 --replica-cpus 0.5 --router pow2", {}),
+    "2 replicas, least-tokens": (CH09, "--num-replicas 2 --spare-replicas 0 --replica-cpus 0.5 --router least-tokens", {}),
 }
 # headline figures: (name, where in streaming.summarize's document)
 SUMMARY_KEYS = {"qps": ("qps",), "output_tokens_per_s": ("output_tokens_per_s",), "ttft_ms_p50": ("ttft_ms", "p50"),

@@ -320,7 +320,7 @@ def run(scenario: str, args: argparse.Namespace, argv: list[str]) -> Timeline:
         steps = [(args.load_before_s + args.load_after_s, args.clients)]
         kill_after_s = args.load_before_s
     else:
-        replicas = ["--num-replicas", str(args.min_replicas), "--max-replicas", str(args.max_replicas),
+        replicas = ["--num-replicas", str(args.min_replicas), "--spare-replicas", "0", "--max-replicas", str(args.max_replicas),
                     "--target-ongoing-requests", str(args.target_ongoing_requests),
                     "--upscale-delay-s", f"{args.upscale_delay_s:g}", "--downscale-delay-s", f"{args.downscale_delay_s:g}",
                     "--autoscale-look-back-s", f"{args.look_back_s:g}"]
@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     scenarios = parser.add_subparsers(dest="scenario", required=True)
     drill = scenarios.add_parser("drill", help="kill one replica under load")
     drill.add_argument("--num-replicas", type=int, default=2)
-    drill.add_argument("--spare-replicas", type=int, default=0, help="warm spares beyond --num-replicas (chapter 9's --spare-replicas)")
+    drill.add_argument("--spare-replicas", type=int, default=0, help="warm spares beyond --num-replicas (chapter 9's --spare-replicas, passed always: 0 here shows a kill without one)")
     drill.add_argument("--clients", type=int, default=8, help="closed-loop clients; every other request of each is a stream")
     drill.add_argument("--load-before-s", type=float, default=5.0, help="load before the kill")
     drill.add_argument("--load-after-s", type=float, default=40.0, help="load after the kill")

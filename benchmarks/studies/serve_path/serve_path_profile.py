@@ -7,7 +7,7 @@ from benchmarks.harness.server_process import running_module
 
 mode = sys.argv[1]  # "thread" (Serve's default) or "nothread"
 env = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"} if mode == "nothread" else {}
-ARGS = ["--num-replicas", "1", "--replica-cpus", "0.5", "--torch-threads", "1", "--engine", "eager", "--precision", "bf16",
+ARGS = ["--num-replicas", "1", "--spare-replicas", "0", "--replica-cpus", "0.5", "--torch-threads", "1", "--engine", "eager", "--precision", "bf16",
         "--attention", "gather", "--probe-interval-s", "3600", "--drain-timeout-s", "10"]
 
 async def load(url, stop, counts):
