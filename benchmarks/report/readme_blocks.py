@@ -88,8 +88,8 @@ def render_key(key: str, results: Mapping[str, BenchmarkResult], directory: Path
         return autoscale_block(directory)
     if key == "ch09-replicas":
         return replicas_block(directory)
-    if key.startswith("ch09-serve-path-"):  # ch09-serve-path-mixed: serve-path-mixed.json, against chapter 8 alone
-        return replicas_block(directory, f"{key.removeprefix('ch09-')}.json", against="chapter 8 alone")
+    if key.startswith("ch09-serve-path-"):  # ch09-serve-path-mixed: serve-path-mixed.json, against its first row (chapter 8 alone)
+        return replicas_block(directory, f"{key.removeprefix('ch09-')}.json", against=None)
     if key == "vllm-peer":
         return vllm_peer_block(directory)
     if key.startswith("side-by-side"):  # side-by-side, side-by-side-avx2: one folder of rounds per machine

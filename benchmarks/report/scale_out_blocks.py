@@ -78,13 +78,15 @@ def autoscale_block(directory: Path) -> str:
             f"Reproduce: `{current_command(run['command'])}` (replica flags: `{' '.join(run['server_args'])}`).")
 
 
-def replicas_block(directory: Path, name: str = "replicas-and-routers.json", against: str = "1 replica") -> str:
+def replicas_block(directory: Path, name: str = "replicas-and-routers.json", against: str | None = "1 replica") -> str:
     """Chapter 8 alone, one replica, two under each router (``benchmarks.studies.replicas_and_routers.scale_out_compare``):
-    medians of the rounds, each against the configuration ``against``. ``name``: the file under ``<dir>/ch09/``."""
+    medians of the rounds, each against the configuration ``against`` (None: the file's first). ``name``: the file
+    under ``<dir>/ch09/``."""
     path = directory / SCALE_OUT_DIR / name
     if not path.exists():
         return f"*No comparison yet: `python -m benchmarks.studies.replicas_and_routers.scale_out_compare --out {repo_path(path)}`.*"
     run = json.loads(path.read_text())
+    against = against or next(iter(run["configs"]))
     base = run["configs"].get(against, {}).get("median", {})
     lines = [f"| configuration | QPS | against {against} | tokens/s | TTFT P50 / P99 (ms) | E2E P50 / P99 (ms) "
              "| cores busy: the client; the server's processes |", "|---|---|---|---|---|---|---|"]

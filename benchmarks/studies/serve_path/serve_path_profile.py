@@ -5,8 +5,10 @@ import httpx, psutil
 HERE = Path(__file__).resolve().parent
 from benchmarks.harness.server_process import running_module
 
-mode = sys.argv[1]  # "thread" (Serve's default) or "nothread"
-env = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"} if mode == "nothread" else {}
+mode = sys.argv[1]  # "thread" (Serve's default), "nothread", or "direct" (Serve's direct ingress: no Python proxy)
+env = {"thread": {}, "nothread": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"},
+       "direct": {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}}[mode]
+processes = ("replica",) if mode == "direct" else ("replica", "proxy")
 ARGS = ["--num-replicas", "1", "--spare-replicas", "0", "--replica-cpus", "0.5", "--torch-threads", "1", "--engine", "eager", "--precision", "bf16",
         "--attention", "gather", "--probe-interval-s", "3600", "--drain-timeout-s", "10"]
 
@@ -29,14 +31,16 @@ def find(pid, title):
 
 with running_module("chapters.ch09_scale_out", ARGS, name="ch09-prof", env=env, startup_timeout_s=300) as server:
     replica = find(server.pid, "ServeReplica:")[0].pid
-    proxy = find(server.pid, "ProxyActor")[0].pid
+    pids = {"replica": replica}
+    if "proxy" in processes:
+        pids["proxy"] = find(server.pid, "ProxyActor")[0].pid
     async def main():
         stop, counts = asyncio.Event(), []
         t = asyncio.create_task(load(server.url, stop, counts))
         await asyncio.sleep(5)  # warm-up of the load before sampling
         procs = [await asyncio.create_subprocess_exec(str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(pid), "--duration", "12",
                  "--rate", "50", "--threads", "--format", "raw", "--output", str(HERE / f"profile-{mode}-{name}.collapsed"),
-                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL) for name, pid in (("replica", replica), ("proxy", proxy))]
+                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL) for name, pid in pids.items()]
         started = len(counts); t0 = time.perf_counter()
         await asyncio.gather(*(p.wait() for p in procs))
         done = len(counts) - started; dt = time.perf_counter() - t0
@@ -45,7 +49,10 @@ with running_module("chapters.ch09_scale_out", ARGS, name="ch09-prof", env=env, 
         print(json.dumps({"mode": mode, "streams_during_profile_per_s": round(done / dt, 2), "streams": len(counts), "incomplete": len(bad)}))
     asyncio.run(main())
 
-for name in ("replica", "proxy"):
+if mode == "direct":
+    from benchmarks.studies.replicas_and_routers.scale_out_compare import stop_stray_haproxy
+    stop_stray_haproxy()
+for name in processes:
     per_thread = collections.Counter()
     for line in open(str(HERE / f"profile-{mode}-{name}.collapsed")):
         stack, _, n = line.rpartition(" ")

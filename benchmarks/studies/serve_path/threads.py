@@ -12,7 +12,8 @@ import re
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-MODES = {"thread": "Serve's default (user code on a thread of its own)", "nothread": "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0"}
+MODES = {"thread": "Serve's default (user code on a thread of its own)", "nothread": "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0",
+         "direct": "direct ingress (no Python proxy; HAProxy in front)"}
 
 
 def per_thread(path: Path) -> collections.Counter:
@@ -31,6 +32,8 @@ def main() -> None:
     out = ["| mode | process | thread | active samples (50/s over 12 s) |", "|---|---|---|---|"]
     for mode, how in MODES.items():
         for process in ("replica", "proxy"):
+            if not (HERE / f"profile-{mode}-{process}.collapsed.gz").exists():  # direct ingress: no proxy
+                continue
             for name, n in per_thread(HERE / f"profile-{mode}-{process}.collapsed.gz").most_common(5):
                 out.append(f"| {how} | {process} | {name} | {n} |")
     (HERE / "threads.txt").write_text("\n".join(out) + "\n\nCommand: `python -m benchmarks.studies.serve_path.threads`\n")
