@@ -356,3 +356,11 @@ def test_the_targets_block_judges_prefix_cachings_ttft_against_a_third_of_cachin
         row = _prefix_caching_target_rows(tmp_path)[0]
         assert f"| {on_ms / off['ttft_ms']['p50']:.2f}× |" in row and row.endswith(f"| {verdict} |"), row
         assert f"<= {PREFIX_CACHING_TTFT_TARGET:.2f}×" in row
+    # a second load (fewer users) is a row of its own, fewest users first; the first file's verdict unchanged
+    light = json.loads(json.dumps(document))
+    light["users"] = 4
+    light["chapters"]["caching-on"]["ttft_ms"]["p50"] = off["ttft_ms"]["p50"] * 0.5
+    (tmp_path / PREFIX_CACHING_DIR / "shared-prefix-4-users.json").write_text(json.dumps(light))
+    rows = _prefix_caching_target_rows(tmp_path)
+    assert len(rows) == 2 and "| shared-prefix | 4 |" in rows[0] and rows[0].endswith("| **no** |"), rows
+    assert f"| shared-prefix | {document['users']} |" in rows[1] and rows[1].endswith("| yes |"), rows

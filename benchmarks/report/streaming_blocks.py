@@ -321,23 +321,26 @@ PREFIX_CACHING_TTFT_TARGET = 1 / 3
 
 
 def _prefix_caching_target_rows(directory: Path) -> list[str]:
-    """The TTFT row of the committed shared-prefix comparison (``<dir>/ch08/prefix-caching/shared-prefix.json``):
-    the ratio of the two variants' TTFT P50 in their median-QPS rounds, and each round's (in the order they ran)."""
+    """The TTFT rows of the committed shared-prefix comparisons (``<dir>/ch08/prefix-caching/shared-prefix*.json``, one
+    per load, fewest users first): the ratio of the two variants' TTFT P50 in their median-QPS rounds, and each round's
+    (in the order they ran)."""
     from benchmarks.harness.streaming import PREFIX_CACHING_DIR, PREFIX_CACHING_VARIANTS
 
-    path = directory / PREFIX_CACHING_DIR / "shared-prefix.json"
+    folder = directory / PREFIX_CACHING_DIR
     what = "TTFT P50, prefix caching on over off"
-    if not path.exists():
+    runs = [json.loads(path.read_text()) for path in sorted(folder.glob("shared-prefix*.json"))] if folder.exists() else []
+    if not runs:
         return [f"| {what} | shared-prefix | — | `{PREFIX_CACHING_DIR}/` | — | 0 | not measured | — | <= 0.33× | — |"]
-    run = json.loads(path.read_text())
-    on, off = (run["chapters"][label] for label in PREFIX_CACHING_VARIANTS)
-    value = on["ttft_ms"]["p50"] / off["ttft_ms"]["p50"]
-    each = " / ".join(f"{a['ttft_ms']['p50'] / b['ttft_ms']['p50']:.2f}×"
-                      for a, b in zip(on.get("rounds") or [on], off.get("rounds") or [off], strict=False))
-    folder = PREFIX_CACHING_DIR.removeprefix("ch08/")
-    return [f"| {what} | shared-prefix | {run['users']} | `{folder}/` (streamed) | `{(run['harness'].get('git_commit') or '')[:7]}` "
-            f"| {run['rounds']} | {value:.2f}× | {each} | <= {PREFIX_CACHING_TTFT_TARGET:.2f}× "
-            f"| {'yes' if value <= PREFIX_CACHING_TTFT_TARGET else '**no**'} |"]
+    rows = []
+    for run in sorted(runs, key=lambda run: run["users"]):
+        on, off = (run["chapters"][label] for label in PREFIX_CACHING_VARIANTS)
+        value = on["ttft_ms"]["p50"] / off["ttft_ms"]["p50"]
+        each = " / ".join(f"{a['ttft_ms']['p50'] / b['ttft_ms']['p50']:.2f}×"
+                          for a, b in zip(on.get("rounds") or [on], off.get("rounds") or [off], strict=False))
+        rows.append(f"| {what} | shared-prefix | {run['users']} | `{PREFIX_CACHING_DIR.removeprefix('ch08/')}/` (streamed) "
+                    f"| `{(run['harness'].get('git_commit') or '')[:7]}` | {run['rounds']} | {value:.2f}× | {each} "
+                    f"| <= {PREFIX_CACHING_TTFT_TARGET:.2f}× | {'yes' if value <= PREFIX_CACHING_TTFT_TARGET else '**no**'} |")
+    return rows
 
 
 def deploy_block(directory: Path) -> str:

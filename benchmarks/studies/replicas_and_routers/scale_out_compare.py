@@ -52,6 +52,10 @@ CONFIGS: dict[str, tuple[str, str, dict[str, str]]] = {
     # and Ray 2.60's HAProxy binds its stats and metrics ports on every interface (a trial, not the chapter's path).
     "1 replica, direct ingress": (CH09, "--num-replicas 1 --spare-replicas 0 --replica-cpus 1",
                                   {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}),
+    # ... and with the app on the replica's own loop: what is left of Serve's replica once the proxy is gone
+    "1 replica, direct ingress, one loop": (CH09, "--num-replicas 1 --spare-replicas 0 --replica-cpus 1",
+                                            {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1",
+                                             "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}),
     # Fewer messages per answer: each stream's events in runs of 4 after its first (chapter 8's --stream-interval),
     # on both sides of the comparison.
     "chapter 8 alone, runs of 4": (CH08, "--stream-interval 4", {}),
