@@ -13,10 +13,14 @@ writes the same slots again, which changes no timing. The differences split the 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import math
 import statistics
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +29,7 @@ import shared.model
 from benchmarks.harness.environment import cpu_description
 from benchmarks.studies.ch08_shared_prefix.step_vs_products import ROWS, products
 from benchmarks.studies.ch08_step_profile.profile_ch08 import closed_loop
+from chapters.ch08_continuous_batching.attention_kernel import KERNEL_ARGUMENTS, KERNEL_FLAGS, KERNEL_FUNCTIONS, KERNEL_SOURCE
 
 ROUNDS, CALLS = 15, 20
 
@@ -43,11 +48,27 @@ GELUS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+def kernel_of(revision: str, dtype: torch.dtype, directory: str) -> Callable:
+    """``paged_decode.c`` as of git ``revision``, built with the chapter's flags: its function for ``dtype``."""
+    root = KERNEL_SOURCE.parents[2]  # the repository's
+    source = subprocess.run(["git", "-C", str(root), "show", f"{revision}:{KERNEL_SOURCE.relative_to(root).as_posix()}"],
+                            capture_output=True, text=True, check=True).stdout
+    (Path(directory) / "kernel.c").write_text(source)
+    subprocess.run(["cc", *KERNEL_FLAGS, "-o", f"{directory}/kernel.so", f"{directory}/kernel.c", "-lm"], check=True,
+                   capture_output=True)
+    function = getattr(ctypes.CDLL(f"{directory}/kernel.so"), KERNEL_FUNCTIONS[dtype])
+    function.argtypes, function.restype = KERNEL_ARGUMENTS, None
+    return function
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--attention", default="kernel", choices=("gather", "flex", "kernel"))
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp32", "bf16"))
+    parser.add_argument("--kernel-of", metavar="REV", help="also replay the step with paged_decode.c as of this git revision")
     args = parser.parse_args(argv)
-    loop = closed_loop(args.attention, "fp32", "default")
+    loop = closed_loop(args.attention, args.precision, "default", kv_cache=args.kv_cache_dtype)
     model = loop.engine.runner.model
     captured: list[tuple] = []
     forward = model.forward_packed
@@ -63,17 +84,30 @@ def main(argv: list[str] | None = None) -> None:
     model.forward_packed = forward
     input_ids, positions, attend, logits_indices = captured[0]
     no_attention = lambda layer, q, k, v: q  # noqa: E731
-    variants = {f"step, GELU {name}": (attend, gelu) for name, gelu in GELUS.items()}
-    variants |= {"step, attention skipped": (no_attention, GELUS["served"]),
-                 "step, attention skipped, GELU identity": (no_attention, GELUS["identity"])}
-    run_products, gflop = products(torch.float32)
+    variants = {f"step, GELU {name}": (attend, gelu, None) for name, gelu in GELUS.items()}
+    variants |= {"step, attention skipped": (no_attention, GELUS["served"], None),
+                 "step, attention skipped, GELU identity": (no_attention, GELUS["identity"], None)}
+    run_products, gflop = products(torch.bfloat16 if args.precision == "bf16" else torch.float32)
+    config, kv_dtype = loop.engine.runner.store.config, loop.engine.runner.store.pool.storage.dtype
+    backend = loop.engine.runner.attention
+    served_kernel, build_dir = getattr(backend, "_decode", None), tempfile.TemporaryDirectory()
+    other = f"step, the kernel of {args.kernel_of}"
+    if args.kernel_of:
+        if served_kernel is None:
+            parser.error("--kernel-of compares builds of the kernel backend: pass --attention kernel")
+        variants[other] = (attend, GELUS["served"], kernel_of(args.kernel_of, kv_dtype, build_dir.name))
+    context_tokens = int(positions.sum()) + ROWS  # every row decodes: it attends to its position and those before
+    read_bytes = context_tokens * 2 * config.n_embd * config.n_layer * kv_dtype.itemsize
+    reads = torch.ones(read_bytes // 4, dtype=torch.float32)  # the same bytes, summed as fp32 whatever the cache's dtype
     served_mlp = shared.model.MLP.forward
-    times: dict[str, list[float]] = {name: [] for name in [*variants, "matrix products alone"]}
+    times: dict[str, list[float]] = {name: [] for name in [*variants, "matrix products alone", "reads alone"]}
     try:
         with torch.no_grad():
             for _ in range(ROUNDS):
-                for name, (attend_with, gelu) in variants.items():
+                for name, (attend_with, gelu, kernel) in variants.items():
                     shared.model.MLP.forward = lambda self, x, gelu=gelu: self.c_proj(gelu(self.c_fc(x)))
+                    if served_kernel is not None:
+                        backend._decode = kernel or served_kernel
                     model.forward_packed(input_ids, positions, attend_with, logits_indices)
                     started = time.perf_counter()
                     for _ in range(CALLS):
@@ -83,8 +117,15 @@ def main(argv: list[str] | None = None) -> None:
                 for _ in range(CALLS):
                     run_products()
                 times["matrix products alone"].append((time.perf_counter() - started) / CALLS * 1e3)
+                started = time.perf_counter()
+                for _ in range(CALLS):
+                    reads.sum(dtype=torch.float32)
+                times["reads alone"].append((time.perf_counter() - started) / CALLS * 1e3)
     finally:
         shared.model.MLP.forward = served_mlp
+        if served_kernel is not None:
+            backend._decode = served_kernel
+        build_dir.cleanup()
     ms = {name: statistics.median(values) for name, values in times.items()}
     step, floor = ms["step, GELU served"], ms["matrix products alone"]
     attention = step - ms["step, attention skipped"]
@@ -99,6 +140,16 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  GELU (the step with the identity)       {gelu:6.2f} ms  {gelu / step:4.0%}")
     print(f"  the rest beyond the products            {rest:6.2f} ms  {rest / step:4.0%}  (LayerNorm, residuals, views, Python)")
     print(f"  the step without attention and GELU is {ms['step, attention skipped, GELU identity'] / floor:.2f}x the products")
+    if args.kernel_of:
+        print(f"  the step with the kernel of {args.kernel_of} is {ms[other] / step:.2f}x the step; this kernel takes "
+              f"{attention / (ms[other] - ms['step, attention skipped']):.2f}x that one's attention")
+    read = ms["reads alone"]
+    print(f"\nattention's bytes: {context_tokens} positions of context, keys and values, {config.n_layer} layers, "
+          f"{str(kv_dtype).removeprefix('torch.')}: {read_bytes / 2**20:.1f} MiB a step")
+    print(f"  read alone, one contiguous sum:        {read:6.2f} ms  ({read_bytes / read / 1e6:.1f} GB/s); "
+          f"attention takes {attention / read:.2f}x its reads")
+    print(f"  products + reads alone:                {floor + read:6.2f} ms  = {(floor + read) / floor:.2f}x the products "
+          f"(the 1.5x target: {1.5 * floor:.2f} ms)")
 
 
 if __name__ == "__main__":

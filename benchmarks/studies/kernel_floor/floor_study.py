@@ -41,9 +41,9 @@ ROWS, HEADS, HEAD_DIM, LAYERS, POOL_TOKENS, ROUNDS, STEPS = 64, 4, 64, 4, 2458 *
 WORKLOADS = {"default-like": (20, 155), "mixed-like": (20, 305)}
 # The build without arithmetic: the same loads, each only added up.
 READS_ONLY = {
-    "partial[j] += qh[d + j] * LOAD(kh[d + j]);": "partial[j] += LOAD(kh[d + j]);",
-    "row[t] = expf(row[t] - highest[h]);": "row[t] = row[t];",
-    "o[d] += weight * LOAD(vh[d]);": "o[d] += LOAD(vh[d]);",
+    "sum += lanes_fp32(qh + d) * LANES_OF(kh + d);": "sum += LANES_OF(kh + d);",
+    "floats e = exp_lanes(x - highest[h]);": "floats e = x - highest[h];",
+    "floats sum = lanes_fp32(o + d) + weight * LANES_OF(vh + d);": "floats sum = lanes_fp32(o + d) + LANES_OF(vh + d);",
 }
 
 
