@@ -201,3 +201,13 @@ def test_the_block_is_registered_for_the_readmes() -> None:
     from benchmarks.report.readme_blocks import render_key
 
     assert render_key("vllm-peer", {}, Path("/nonexistent"), Path("README.md"), "cpu").startswith("*Not measured yet")
+
+
+def test_another_kind_of_core_reads_its_own_folder(tmp_path: Path) -> None:
+    from benchmarks.report.readme_blocks import render_key
+
+    folder = tmp_path / "vllm-peer-avx512"
+    folder.mkdir()
+    (folder / "mixed-stream.json").write_text(json.dumps(_peer_file([50.0], [25.0], "stream")))
+    assert "| `mixed` | streamed | 64 | 1 | 50.0 | 25.0 | 2.00× (2.00) |" in render_key("vllm-peer-avx512", {}, tmp_path, Path("README.md"), "cpu")
+    assert render_key("vllm-peer", {}, tmp_path, Path("README.md"), "cpu").startswith("*Not measured yet")  # not the other folder

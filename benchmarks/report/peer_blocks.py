@@ -1,7 +1,8 @@
 """README blocks of the peers: other servers measured on the same model, core and client as chapter 8.
 
 ``vllm-peer``: vLLM's CPU backend beside chapter 8, from ``benchmarks.studies.vllm_peer.peer compare``
-(one JSON per workload and answer kind under ``<dir>/vllm-peer/``).
+(one JSON per workload and answer kind under ``<dir>/vllm-peer/``; ``vllm-peer-<machine>``: the same from
+``<dir>/vllm-peer-<machine>/``, another kind of core).
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ def _seconds(figures: dict, what: str, pick: str) -> float:
     return figures[what][pick] / 1e3
 
 
-def vllm_peer_block(directory: Path) -> str:
+def vllm_peer_block(directory: Path, folder_name: str = VLLM_PEER_DIR) -> str:
     """Chapter 8 against vLLM's CPU backend, one row per workload and answer kind: each server's median-QPS round,
-    the ratio of those and of every round (round i of one against round i of the other), the tails and first tokens."""
-    folder = directory / VLLM_PEER_DIR
+    the ratio of those and of every round (round i of one against round i of the other), the tails and first tokens.
+    ``folder_name``: the folder of ``directory`` the files are in (one per kind of core)."""
+    folder = directory / folder_name
     files = sorted(folder.glob("*.json")) if folder.exists() else []
     runs = [json.loads(path.read_text()) for path in files]
     runs = [run for run in runs if run.get("kind") == "vllm-peer"]

@@ -90,8 +90,8 @@ def render_key(key: str, results: Mapping[str, BenchmarkResult], directory: Path
         return replicas_block(directory)
     if key.startswith("ch09-serve-path-"):  # ch09-serve-path-mixed: serve-path-mixed.json, against its first row (chapter 8 alone)
         return replicas_block(directory, f"{key.removeprefix('ch09-')}.json", against=None)
-    if key == "vllm-peer":
-        return vllm_peer_block(directory)
+    if key.startswith("vllm-peer"):  # vllm-peer, vllm-peer-avx512: one folder of files per kind of core
+        return vllm_peer_block(directory, key)
     if key.startswith("side-by-side"):  # side-by-side, side-by-side-avx2: one folder of rounds per machine
         return side_by_side_block(directory, key)
     if key == "deploy":

@@ -292,26 +292,29 @@ VLLM_PEER_TARGETS = {"default": 1.5, "mixed": 1.5, "shared-prefix": 1.2}
 
 
 def _vllm_peer_target_rows(directory: Path) -> list[str]:
-    """One targets row per committed vLLM side-by-side file (``benchmarks.studies.vllm_peer``): the ratio of medians."""
+    """One targets row per committed vLLM side-by-side file (``benchmarks.studies.vllm_peer``): the ratio of medians.
+    ``vllm-peer/`` first, then a folder per other kind of core (``vllm-peer-<machine>/``); each row names its CPU."""
     import json
 
     from benchmarks.report.peer_blocks import VLLM_PEER_DIR
 
-    folder = directory / VLLM_PEER_DIR
-    runs = [json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))] if folder.exists() else []
+    folders = [directory / VLLM_PEER_DIR, *sorted(directory.glob(f"{VLLM_PEER_DIR}-*"))]
     rows = []
-    for run in sorted(runs, key=lambda run: (list(VLLM_PEER_TARGETS).index(run["workload"]) if run["workload"] in VLLM_PEER_TARGETS else 9,
-                                            run["answers"] != "whole")):
-        bound = VLLM_PEER_TARGETS.get(run["workload"])
-        if bound is None:
-            continue
-        ours, peer = run["chapters"]["ch08"], run["chapters"]["vllm"]
-        value = ours["qps"] / peer["qps"]
-        each = " / ".join(f"{a['qps'] / b['qps']:.2f}×" for a, b in zip(ours.get("rounds") or [ours], peer.get("rounds") or [peer], strict=False))
-        how = "streamed" if run["answers"] == "stream" else "whole answers"
-        rows.append(f"| chapter 8's QPS over vLLM's CPU backend's | {run['workload']} | {run['users']} | `{VLLM_PEER_DIR}/` ({how}) "
-                    f"| `{(run['harness'].get('git_commit') or '')[:7]}` | {run['rounds']} | {value:.2f}× | {each} | >= {bound:.2f}× "
-                    f"| {'yes' if value >= bound else '**no**'} |")
+    for folder in folders:
+        runs = [json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))] if folder.is_dir() else []
+        for run in sorted(runs, key=lambda run: (list(VLLM_PEER_TARGETS).index(run["workload"]) if run["workload"] in VLLM_PEER_TARGETS else 9,
+                                                run["answers"] != "whole")):
+            bound = VLLM_PEER_TARGETS.get(run["workload"])
+            if bound is None:
+                continue
+            ours, peer = run["chapters"]["ch08"], run["chapters"]["vllm"]
+            value = ours["qps"] / peer["qps"]
+            each = " / ".join(f"{a['qps'] / b['qps']:.2f}×" for a, b in zip(ours.get("rounds") or [ours], peer.get("rounds") or [peer], strict=False))
+            how = "streamed" if run["answers"] == "stream" else "whole answers"
+            cpu = run["harness"].get("cpu") or "a CPU the file does not name"
+            rows.append(f"| chapter 8's QPS over vLLM's CPU backend's | {run['workload']} | {run['users']} | `{folder.name}/` ({how}; {cpu}) "
+                        f"| `{(run['harness'].get('git_commit') or '')[:7]}` | {run['rounds']} | {value:.2f}× | {each} | >= {bound:.2f}× "
+                        f"| {'yes' if value >= bound else '**no**'} |")
     return rows or ["| chapter 8's QPS over vLLM's CPU backend's | default, mixed, shared-prefix | 64 | `vllm-peer/` | — | 0 "
                     "| not measured: `python -m benchmarks.studies.vllm_peer.peer compare` | — | — | — |"]
 

@@ -9,8 +9,8 @@ From the repository root, one core, as the servers run:
     PYTHONPATH=. taskset -c 0 python benchmarks/studies/kernel_prefetch/prefetch_study.py \
         > benchmarks/studies/kernel_prefetch/results.txt
 
-Where the build without it spends its time, instruction by instruction (``perf-annotate-without.txt``;
-``--build-dir`` keeps the two builds so that perf can read their code):
+Where the build without it spends its time, instruction by instruction, on a machine whose ``perf`` has
+counters (``--build-dir`` keeps the two builds so that perf can read their code):
 
     PYTHONPATH=. perf record -o /tmp/prefetch.data python benchmarks/studies/kernel_prefetch/prefetch_study.py --build-dir /tmp/prefetch
     perf annotate -i /tmp/prefetch.data --stdio -d off.so -s paged_decode_bf16 | awk '$1 + 0 >= 1' \
