@@ -74,6 +74,12 @@ def _kernel_library() -> ctypes.CDLL:
     return build_kernel()
 
 
+def scores_scratch(heads: int, longest: int) -> Tensor:
+    """The kernel's ``logits`` scratch for rows of up to ``longest`` positions: one row's scores, every head, each
+    padded to whole vectors (``paged_decode.c`` writes and reads them a vector, up to 16 floats, at a time)."""
+    return torch.empty(heads * (longest + 16), dtype=torch.float32)
+
+
 class KernelAttention(PagedAttention):
     """Decode rows through ``paged_decode.c``, reading the pool in place.
 
@@ -91,7 +97,7 @@ class KernelAttention(PagedAttention):
         if store.device.type != "cpu" or dtype not in KERNEL_FUNCTIONS:
             raise ValueError(f"the kernel backend runs on the CPU over an fp32 or bf16 cache, not {store.device} {dtype}")
         self._decode = getattr(_kernel_library(), KERNEL_FUNCTIONS[dtype])
-        self._scratch = torch.empty(self.heads * store.config.n_ctx, dtype=torch.float32)  # one row's scores, every head
+        self._scratch = scores_scratch(self.heads, store.config.n_ctx)
         self._scale = 1.0 / math.sqrt(self.head_dim)
 
     @staticmethod

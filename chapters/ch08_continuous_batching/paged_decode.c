@@ -28,7 +28,7 @@
  * k, v  one layer's key and value planes: (slots, heads * head_dim), fp32 or bf16 (as uint16 bits)
  * tables (rows, width) int32: each row's blocks, already offset to the pool's first block
  * lens (rows) int32: positions each row attends to (its context, this step's token included)
- * logits: scratch of at least heads * max(lens) floats
+ * logits: scratch of at least heads * (max(lens) + 16) floats: each head's scores padded to whole vectors
  * out   fp32; element (r, h, d) at r * out_stride + h * head_dim + d
  */
 #include <math.h>
@@ -49,6 +49,12 @@ typedef float floats __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t ints __attribute__((vector_size(LANES * sizeof(int32_t))));
 typedef uint32_t uints __attribute__((vector_size(LANES * sizeof(uint32_t))));
 typedef uint16_t halves __attribute__((vector_size(LANES * sizeof(uint16_t))));
+
+#if LANES == 16
+#define LANE_INDEX ((ints){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15})
+#else
+#define LANE_INDEX ((ints){0, 1, 2, 3, 4, 5, 6, 7})
+#endif
 
 #if defined(__clang__)
 #define PICK(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
@@ -160,11 +166,12 @@ static inline void prefetch_row(const void *row, int64_t bytes) {
         for (int64_t t = 0, b = 0; t < n; ++b) /* each position's row in a plane, block by block */             \
             for (int64_t j = 0, base = (int64_t)table[b] * block; j < block && t < n; ++j, ++t)                \
                 where[t] = (base + j) * stride;                                                                \
-        float highest[heads];                                                                                  \
-        for (int64_t h = 0; h < heads; ++h) highest[h] = -INFINITY;                                            \
+        const int64_t span = (n + LANES - 1) / LANES * LANES; /* a head's scores, padded to whole vectors */   \
+        floats top[heads]; /* each head's highest score so far, lane by lane */                                \
+        for (int64_t h = 0; h < heads; ++h) top[h] = (floats){0} - INFINITY;                                   \
         floats part[heads][LANES];                                                                             \
         float tail[heads][LANES];                                                                              \
-        for (int64_t t0 = 0; t0 < n; t0 += LANES) { /* scores, LANES positions at a time */                   \
+        for (int64_t t0 = 0; t0 < n; t0 += LANES) { /* scores, LANES positions at a time */                     \
             const int64_t m = n - t0 < LANES ? n - t0 : LANES;                                                 \
             for (int64_t p = 0; p < LANES; ++p) { /* each position's row once, every head */                    \
                 const int64_t t = t0 + p;                                                                      \
@@ -182,36 +189,37 @@ static inline void prefetch_row(const void *row, int64_t bytes) {
                     tail[h][p] = rest;                                                                         \
                 }                                                                                              \
             }                                                                                                  \
+            const ints past_end = LANE_INDEX >= (int32_t)m; /* positions beyond the row: score -inf, weight 0 */ \
             for (int64_t h = 0; h < heads; ++h) {                                                              \
-                floats score = (sum_lanes(part[h]) + lanes_fp32(tail[h])) * scale;                           \
-                memcpy(logits + h * n + t0, &score, (size_t)m * sizeof(float));                                \
-                for (int64_t p = 0; p < m; ++p)                                                                \
-                    if (score[p] > highest[h]) highest[h] = score[p];                                          \
+                floats score = (sum_lanes(part[h]) + lanes_fp32(tail[h])) * scale;                             \
+                score = (floats)(((ints)score & ~past_end) | ((ints)((floats){0} - INFINITY) & past_end));     \
+                memcpy(logits + h * span + t0, &score, sizeof score);                                          \
+                top[h] = (floats)(((ints)top[h] & (ints)(top[h] >= score)) | ((ints)score & (ints)(top[h] < score))); \
             }                                                                                                  \
         }                                                                                                      \
         for (int64_t h = 0; h < heads; ++h) { /* softmax: e^(score - highest), then divided by their sum */    \
-            float *row = logits + h * n;                                                                       \
+            float *row = logits + h * span, highest = -INFINITY;                                               \
+            for (int p = 0; p < LANES; ++p) highest = top[h][p] > highest ? top[h][p] : highest;               \
             floats total = {0};                                                                                \
-            for (int64_t t0 = 0; t0 < n; t0 += LANES) {                                                        \
-                const int64_t m = n - t0 < LANES ? n - t0 : LANES;                                             \
-                floats x = {0};                                                                                \
-                memcpy(&x, row + t0, (size_t)m * sizeof(float));                                               \
-                floats e = exp_lanes(x - highest[h]);                                                          \
-                for (int64_t p = m; p < LANES; ++p) e[p] = 0.f;                                                \
+            for (int64_t t0 = 0; t0 < span; t0 += LANES) {                                                     \
+                const floats e = exp_lanes(lanes_fp32(row + t0) - highest);                                    \
                 total += e;                                                                                    \
-                memcpy(row + t0, &e, (size_t)m * sizeof(float));                                               \
+                memcpy(row + t0, &e, sizeof e);                                                                \
             }                                                                                                  \
             float sum = 0.f;                                                                                   \
             for (int p = 0; p < LANES; ++p) sum += total[p];                                                   \
-            const float inverse = 1.f / sum;                                                                   \
-            for (int64_t t = 0; t < n; ++t) row[t] *= inverse;                                                 \
+            const floats inverse = (floats){0} + 1.f / sum;                                                    \
+            for (int64_t t0 = 0; t0 < span; t0 += LANES) {                                                     \
+                const floats weight = lanes_fp32(row + t0) * inverse;                                          \
+                memcpy(row + t0, &weight, sizeof weight);                                                      \
+            }                                                                                                  \
         }                                                                                                      \
         memset(out, 0, (size_t)stride * sizeof(float));                                                        \
         for (int64_t t = 0; t < n; ++t) { /* the values, weighted: each position's row once, every head */      \
             const T *values = v + where[t];                                                                    \
             if (AHEAD && t + AHEAD < n) prefetch_row(v + where[t + AHEAD], row_bytes);                         \
             for (int64_t h = 0; h < heads; ++h) {                                                              \
-                const float weight = logits[h * n + t];                                                        \
+                const float weight = logits[h * span + t];                                                        \
                 float *o = out + h * head_dim;                                                                 \
                 const T *vh = values + h * head_dim;                                                              \
                 for (int64_t d = 0; d < vector_end; d += LANES) {                                              \

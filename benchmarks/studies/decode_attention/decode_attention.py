@@ -59,7 +59,7 @@ from chapters.ch08_continuous_batching.model_runner import packed_model
 from chapters.ch08_continuous_batching.attention_choice import scattered_decode_inputs
 from chapters.ch08_continuous_batching.attention_flex import FlexAttention
 from chapters.ch08_continuous_batching.attention_gather import GatherAttention
-from chapters.ch08_continuous_batching.attention_kernel import KernelAttention
+from chapters.ch08_continuous_batching.attention_kernel import KernelAttention, scores_scratch
 from chapters.ch08_continuous_batching.paged_attention import block_table_tensor
 from chapters.ch08_continuous_batching.paged_cache import PagedKVStore, kv_cache_dtype
 from chapters.ch08_continuous_batching.server import ContinuousSettings
@@ -125,7 +125,7 @@ def attention_part(workload: str, rows: int, rounds: int, precision: str, seed: 
     flex_attend, gather_attend, kernel_attend = flex.bind(inputs), gather.bind(inputs), kernel.bind(inputs)
     kernel_tables = block_table_tensor(tables, lens, size, store.first_block)
     kernel_lens, kernel_out = torch.tensor(lens, dtype=torch.int32), torch.empty(rows, heads, head_dim)
-    kernel_scratch, kernel_slots = torch.empty(heads * config.n_ctx), inputs.slot_mapping.clone()
+    kernel_scratch, kernel_slots = scores_scratch(heads, config.n_ctx), inputs.slot_mapping.clone()
     bucket = flex._buckets[max(FlexAttention.MIN_BUCKET, 1 << (rows - 1).bit_length())]
     pool_keys, pool_values = (store.plane(0, kv).view(-1, heads, head_dim).permute(1, 0, 2)[None] for kv in (0, 1))
     flex_queries = torch.randn(bucket.rows, heads, 1, head_dim).to(kv_dtype)

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness.environment import cpu_description
-from chapters.ch08_continuous_batching.attention_kernel import KERNEL_ARGUMENTS, KERNEL_FLAGS, KERNEL_SOURCE
+from chapters.ch08_continuous_batching.attention_kernel import KERNEL_ARGUMENTS, KERNEL_FLAGS, KERNEL_SOURCE, scores_scratch
 
 ROWS, HEADS, HEAD_DIM, LAYERS, POOL_TOKENS, ROUNDS, STEPS = 64, 4, 64, 4, 2458 * 16, 9, 5
 WORKLOADS = {"default-like": (20, 155), "mixed-like": (20, 305)}
@@ -90,7 +90,7 @@ class Case:
 
 
 def ms_per_layer(kernel, case: Case, sweep: torch.Tensor) -> float:
-    out, scratch = torch.zeros(ROWS, HEADS, HEAD_DIM), torch.empty(HEADS * max(case.lens))
+    out, scratch = torch.zeros(ROWS, HEADS, HEAD_DIM), scores_scratch(HEADS, max(case.lens))
     lens, stride, pointer = torch.tensor(case.lens, dtype=torch.int32), HEADS * HEAD_DIM, case.qkv.data_ptr()
     total = 0.0
     for _ in range(STEPS):

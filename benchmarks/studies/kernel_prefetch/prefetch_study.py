@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness.environment import cpu_description
-from chapters.ch08_continuous_batching.attention_kernel import KERNEL_ARGUMENTS, KERNEL_FLAGS, KERNEL_SOURCE
+from chapters.ch08_continuous_batching.attention_kernel import KERNEL_ARGUMENTS, KERNEL_FLAGS, KERNEL_SOURCE, scores_scratch
 
 ROWS, HEADS, HEAD_DIM, BLOCK, POOL_BLOCKS, ROUNDS, CALLS = 64, 4, 64, 16, 2458, 15, 20
 WORKLOADS = {"default-like": (20, 155), "mixed-like": (20, 305)}
@@ -65,7 +65,7 @@ def inputs(contexts: tuple[int, int], seed: int = 0):
 def timed(kernel, case) -> tuple[float, torch.Tensor, torch.Tensor]:
     lens, width, tables, slots, planes, qkv = case
     keys, values = planes[0].clone(), planes[1].clone()
-    out, scratch, lens_tensor = torch.zeros(ROWS, HEADS, HEAD_DIM), torch.empty(HEADS * max(lens)), torch.tensor(lens, dtype=torch.int32)
+    out, scratch, lens_tensor = torch.zeros(ROWS, HEADS, HEAD_DIM), scores_scratch(HEADS, max(lens)), torch.tensor(lens, dtype=torch.int32)
     stride = HEADS * HEAD_DIM
 
     def call() -> None:

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness.environment import cpu_description
-from chapters.ch08_continuous_batching.attention_kernel import KERNEL_SOURCE
+from chapters.ch08_continuous_batching.attention_kernel import KERNEL_SOURCE, scores_scratch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "kernel_floor"))
 from floor_study import HEAD_DIM, HEADS, ROWS, Case, build  # noqa: E402  (the floor study's pools and build)
@@ -55,7 +55,7 @@ def main() -> None:
               for _ in range(4)]
     x, hidden = torch.randn(TOKENS, width, generator=generator), torch.randn(TOKENS, 4 * width, generator=generator)
     case = Case((20, 305), 128, scattered=True)
-    out, scratch = torch.zeros(ROWS, HEADS, HEAD_DIM), torch.empty(HEADS * max(case.lens))
+    out, scratch = torch.zeros(ROWS, HEADS, HEAD_DIM), scores_scratch(HEADS, max(case.lens))
     lens, pointer = torch.tensor(case.lens, dtype=torch.int32), case.qkv.data_ptr()
 
     def step(kernel, read_weights_first: bool) -> tuple[float, float]:
