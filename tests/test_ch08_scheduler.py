@@ -9,6 +9,7 @@ FP32 must return exactly the oracle's tokens for concurrent mixed requests, unde
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -288,6 +289,23 @@ def test_the_kernel_reads_the_models_own_views_and_writes_the_new_keys_where_gat
     assert torch.equal(kernel(0, *(t.contiguous() for t in (q, k, v))), got)  # the copying path: the same sums
     low = [t.to(torch.bfloat16) for t in (q, k, v)]
     assert torch.equal(kernel(0, *low), kernel(0, *(t.float() for t in low)).to(torch.bfloat16))
+
+
+def test_the_studies_that_rebuild_the_kernel_still_find_what_they_change_in_its_source() -> None:
+    """The kernel-floor study takes the arithmetic out of ``paged_decode.c`` by replacing lines of it, and the
+    prefetch and eviction studies change its prefetch: a rewrite of the kernel must keep them measuring it."""
+    import importlib.util
+
+    from chapters.ch08_continuous_batching.attention_kernel import KERNEL_SOURCE
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "studies" / "kernel_floor" / "floor_study.py"
+    spec = importlib.util.spec_from_file_location("floor_study", path)
+    floor_study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(floor_study)
+    source = floor_study.reads_only_source()  # asserts each line it replaces is there
+    assert source != KERNEL_SOURCE.read_text() and "exp_lanes(lanes_fp32" not in source
+    kernel = KERNEL_SOURCE.read_text()
+    assert "__builtin_prefetch((const char *)row + at, 0, 3)" in kernel and "#define AHEAD 8" in kernel  # hints_study's
 
 
 def test_the_kernel_backend_says_why_it_cannot_run_without_a_compiler_or_when_the_build_fails(tmp_path) -> None:

@@ -42,7 +42,7 @@ WORKLOADS = {"default-like": (20, 155), "mixed-like": (20, 305)}
 # The build without arithmetic: the same loads, each only added up.
 READS_ONLY = {
     "sum += lanes_fp32(qh + d) * LANES_OF(kh + d);": "sum += LANES_OF(kh + d);",
-    "floats e = exp_lanes(x - highest[h]);": "floats e = x - highest[h];",
+    "const floats e = exp_lanes(lanes_fp32(row + t0) - highest);": "const floats e = lanes_fp32(row + t0) - highest;",
     "floats sum = lanes_fp32(o + d) + weight * LANES_OF(vh + d);": "floats sum = lanes_fp32(o + d) + LANES_OF(vh + d);",
 }
 
