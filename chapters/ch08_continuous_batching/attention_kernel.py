@@ -97,8 +97,7 @@ class KernelAttention(PagedAttention):
         if store.device.type != "cpu" or dtype not in KERNEL_FUNCTIONS:
             raise ValueError(f"the kernel backend runs on the CPU over an fp32 or bf16 cache, not {store.device} {dtype}")
         self._decode = getattr(_kernel_library(), KERNEL_FUNCTIONS[dtype])
-        self._scratch = scores_scratch(self.heads, store.config.n_ctx)
-        self._scale = 1.0 / math.sqrt(self.head_dim)
+        self._scratch, self._scale = scores_scratch(self.heads, store.config.n_ctx), 1.0 / math.sqrt(self.head_dim)
 
     @staticmethod
     def unavailable_reason() -> str | None:
@@ -116,15 +115,14 @@ class KernelAttention(PagedAttention):
         rows, size = inputs.num_decodes, self.store.block_tokens
         lens = inputs.context_lens[:rows]
         tables = block_table_tensor(inputs.block_tables[:rows], lens, size, self.store.first_block)
-        widest, lens_tensor = tables.shape[1], torch.tensor(lens, dtype=torch.int32)
-        slots = inputs.slot_mapping[:rows].to(torch.int64).contiguous()
+        lens_tensor, slots = torch.tensor(lens, dtype=torch.int32), inputs.slot_mapping[:rows].to(torch.int64).contiguous()
 
         def decode(layer: int, q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> None:
             if q.dtype != torch.float32 or not (q.stride() == k.stride() == v.stride() and q.stride(3) == 1):
                 q, k, v = (t.to(torch.float32).contiguous() for t in (q, k, v))
             keys, values = self.store.plane(layer, 0), self.store.plane(layer, 1)
             self._decode(q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(2), q.stride(1), slots.data_ptr(),
-                         keys.data_ptr(), values.data_ptr(), tables.data_ptr(), widest, lens_tensor.data_ptr(),
+                         keys.data_ptr(), values.data_ptr(), tables.data_ptr(), tables.shape[1], lens_tensor.data_ptr(),
                          rows, self.heads, self.head_dim, size, self._scale, self._scratch.data_ptr(),
                          out.data_ptr(), out.stride(2))
 
