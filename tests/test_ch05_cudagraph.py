@@ -18,9 +18,11 @@ from chapters.ch05_inference_engine.cudagraph_engine import (
     BatchTooLarge,
     CudaGraphEngine,
     StaticSlotCache,
+    batch_buckets_for,
     bucket_for,
     build_cudagraph,
     length_buckets_for,
+    static_shape_in,
 )
 from chapters.ch05_inference_engine.engine import EngineUnavailable
 from chapters.ch05_inference_engine.engines import build_engine, unavailable_reason
@@ -68,6 +70,21 @@ def test_length_buckets_always_end_at_the_static_length() -> None:
     assert length_buckets_for(1024) == (64, 128, 256, 512, 1024)
     assert length_buckets_for(300) == (64, 128, 256, 300)
     assert length_buckets_for(10) == (10,)
+
+
+def test_batch_buckets_always_end_at_the_largest_batch() -> None:
+    assert batch_buckets_for(32) == (1, 2, 4, 8, 16, 32)
+    assert batch_buckets_for(48) == (1, 2, 4, 8, 16, 32, 48)
+    assert batch_buckets_for(1) == (1,)
+
+
+def test_the_static_shape_in_a_pool_is_the_largest_batch_at_the_whole_context_or_the_rows_that_fit(default_model: LoadedModel) -> None:
+    n_ctx = default_model.config.n_ctx
+    roomy = KVMemoryPool(default_model.config, 10 * n_ctx, device=CPU)
+    assert static_shape_in(roomy, 8) == ((1, 2, 4, 8), n_ctx)
+    assert static_shape_in(KVMemoryPool(default_model.config, 3 * n_ctx + 5, device=CPU), 8) == ((1, 2, 3), n_ctx)
+    with pytest.raises(ValueError, match="one sequence"):
+        static_shape_in(KVMemoryPool(default_model.config, n_ctx - 16, device=CPU), 8)
 
 
 def test_the_engine_refuses_more_rows_than_its_largest_bucket(default_model: LoadedModel) -> None:

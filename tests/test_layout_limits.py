@@ -26,9 +26,12 @@ CH08 = REPO_ROOT / "chapters" / "ch08_continuous_batching"
 ENGINE_FILES = (
     "sequence.py", "scheduler.py", "block_manager.py", "paged_cache.py", "model_runner.py",
     "paged_attention.py", "attention_gather.py", "attention_flex.py", "attention_kernel.py",
-    "attention_choice.py", "sampling.py", "step_thread.py",
+    "attention_choice.py", "sampling.py", "step_thread.py", "cuda_graphs.py",
 )
-ENGINE_MAX_LINES = 1100
+# Issue 44's budget for the engine as it stood (1,100), plus what a GPU needs beside it: the decode steps
+# recorded as CUDA graphs (cuda_graphs.py, as nano-vllm's model runner records its own) and the device's rule
+# in the runner, the flex backend and the attention choice.
+ENGINE_MAX_LINES = 1100 + 110
 FUNCTION_MAX_LINES = 80
 MODULE_MAX_LINES = 600
 BENCHMARKS_MAX_ENTRIES = 12

@@ -5,6 +5,8 @@
 # cannot take the others' results with it:
 #
 #   1. the machine (nvidia-smi, torch, CUDA);
+#   1a. the tests that skip without CUDA (CUDA_TESTS), their output the evidence (tests-cuda.txt);
+#   1b. chapter 8's decode step eager and recorded (benchmarks/studies/gpu_step, gpu_step.txt);
 #   2. chapter 5's auto engine choice, measured once on the gpu profile's model, so the chapters
 #      that build an engine (ch05 on) read it from the engine cache instead of measuring at start-up;
 #   3. the gpu profile, one chapter at a time, for every chapter in chapters.CHAPTERS;
@@ -16,8 +18,10 @@
 #
 #   bash benchmarks/harness/gpu_climb.sh OUTDIR
 #
-# Limits (seconds, environment): CHOICE_LIMIT_S, CHAPTER_LIMIT_S (each chapter), TRADEOFFS_LIMIT_S;
-# CHAPTERS=ch04,ch05 runs only those. The defaults add up to about 9 minutes for eight chapters.
+# Limits (seconds, environment): TESTS_LIMIT_S, STEP_LIMIT_S, CHOICE_LIMIT_S, CHAPTER_LIMIT_S (each chapter),
+# CH08_LIMIT_S, TRADEOFFS_LIMIT_S (TESTS=0, STEP=0, CHOICE=0, TRADEOFFS=0 skip those steps); CHAPTERS=ch04,ch05 runs only those, in that
+# order. Every step at its limit is about 22 minutes for eight chapters: more than one 10-minute command,
+# so a lease runs it in two (CHAPTERS split between them).
 # To commit the climb as the reference: cp OUTDIR/climb/ch0?.json benchmarks/reference/gpu/ &&
 #   python -m benchmarks report --profile gpu --reference && python -m benchmarks readme
 set -u
@@ -40,6 +44,21 @@ step "machine"
   > "$out/machine.txt" 2>&1
 cat "$out/machine.txt"
 
+if [ "${TESTS:-1}" != 0 ]; then
+step "the tests that need CUDA (at most ${TESTS_LIMIT_S:=150} s)"
+# They skip where torch sees no GPU; here they run, and their output is the evidence.
+limited "$TESTS_LIMIT_S" "$python" -m pytest -q -rs -p no:cacheprovider --timeout 120 ${CUDA_TESTS:-tests/test_ch05_cudagraph.py \
+  tests/test_ch08_cuda_graphs.py} > "$out/tests-cuda.txt" 2>&1
+echo "exit $?"; tail -n 15 "$out/tests-cuda.txt"
+fi
+
+if [ "${STEP:-1}" != 0 ]; then
+step "chapter 8's decode step on the GPU: eager or recorded (at most ${STEP_LIMIT_S:=120} s)"
+limited "$STEP_LIMIT_S" "$python" -m benchmarks.studies.gpu_step.step_profile --out "$out/gpu_step.txt" > "$out/gpu_step.log" 2>&1
+echo "exit $?"; head -n 14 "$out/gpu_step.log"; tail -n 5 "$out/gpu_step.log"
+fi
+
+if [ "${CHOICE:-1}" != 0 ]; then  # CHOICE=0: a warm machine that measured it already
 step "auto engine choice on the gpu profile's model (at most ${CHOICE_LIMIT_S:=75} s)"
 # Same weights, device and thread count as the chapter servers, so the cached choice's key matches.
 limited "$CHOICE_LIMIT_S" "$python" - "${SFS_BENCH_GPT2_WEIGHTS:-dummy}" > "$out/engine_choice.log" 2>&1 <<'EOF'
@@ -53,11 +72,14 @@ model = load_model(sys.argv[1], "gpt2", "cuda").model
 print(json.dumps({"chosen": choose_default(model)}))
 EOF
 tail -n 20 "$out/engine_choice.log"
+fi
 
 chapters=${CHAPTERS:-$("$python" -c "from chapters import CHAPTERS; print(','.join(CHAPTERS))")}
 for chapter in ${chapters//,/ }; do
-  step "climb, gpu profile, $chapter (at most ${CHAPTER_LIMIT_S:=50} s)"
-  limited "$CHAPTER_LIMIT_S" "$python" -m benchmarks climb --profile gpu --chapters "$chapter" --out "$out/climb" \
+  # Chapter 8's first start compiles flex attention for each bucket of rows and records its decode graphs.
+  limit=${CHAPTER_LIMIT_S:=50}; [ "$chapter" = ch08 ] && limit=${CH08_LIMIT_S:=150}
+  step "climb, gpu profile, $chapter (at most $limit s)"
+  limited "$limit" "$python" -m benchmarks climb --profile gpu --chapters "$chapter" --out "$out/climb" \
     > "$out/climb-$chapter.log" 2>&1
   echo "exit $? (124: stopped by its limit)"; tail -n 8 "$out/climb-$chapter.log"
 done
@@ -82,6 +104,7 @@ for path in sorted(Path(sys.argv[1]).glob("ch*.json")):
 EOF
 cat "$out/gpu_util.txt"
 
+[ "${TRADEOFFS:-1}" = 0 ] && { step "done (trade-off table skipped)"; exit 0; }
 step "trade-off table on CUDA, tiny default model (at most ${TRADEOFFS_LIMIT_S:=80} s)"
 limited "$TRADEOFFS_LIMIT_S" "$python" -m benchmarks.harness.tradeoffs --device cuda \
   --engines eager cudagraph onnxruntime tensorrt --out "$out/tradeoffs" > "$out/tradeoffs.log" 2>&1

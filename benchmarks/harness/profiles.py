@@ -143,7 +143,8 @@ def build_profiles() -> dict[str, Profile]:
             torch_threads=1, pin_cores=True, server_core_budget=None, warmup_requests=16,
             # Chapter 4's pool is sized for the top load (its rule: longest sequence x concurrency x 1.2),
             # not for its default 64, which would turn 256 users into 429s instead of a measurement.
-            extra_env=(("SFS_MAX_CONCURRENCY", "256"),),
+            # Chapter 8 likewise runs as many sequences at once as the top load sends (its default is 64).
+            extra_env=(("SFS_MAX_CONCURRENCY", "256"), ("SFS_MAX_NUM_SEQS", "256")),
             open_loop=OpenLoopSettings(
                 rates=(10.0, 25.0, 50.0, 100.0, 150.0, 200.0, 300.0, 400.0), min_level_s=4.0, max_level_s=8.0,
                 target_requests=300, lead_in_s=1.0, drain_s=8.0, max_outstanding=512, slo_ms=500.0,

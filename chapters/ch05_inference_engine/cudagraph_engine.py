@@ -29,7 +29,10 @@ Two ways to hand this engine a KV cache:
 
 1. **Its own** (:meth:`CudaGraphEngine.new_cache`, a chapter 3 ``cache_factory``): the prompt's keys
    and values are written straight into the static buffers, and decode steps touch nothing else.
-   No copies. One such cache is live at a time (a new one closes the previous one).
+   No copies. One such cache is live at a time (a new one closes the previous one). The server
+   serves this way: the engine is built on the server's one pool, sized by chapter 4's rule
+   (:func:`static_shape_in` says what static shape that pool holds), and :class:`StaticCacheRunner`,
+   chapter 4's runner, takes each batch's cache from the engine.
 2. **Any other** :class:`~shared.model.KVCache` (chapter 4's pool cache, the growing tensors): the
    first decode step of a batch *adopts* it, copying its prompt keys and values into the static
    buffers once; every step then also stores its new key and value back into that cache, so the
@@ -50,7 +53,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from chapters.ch02_fastapi_async.api import Generated
+from chapters.ch03_dynamic_batching.batched_generation import Prefill, generate_batch
 from chapters.ch04_memory_pool.memory_pool import BlockRange, KVMemoryPool
+from chapters.ch04_memory_pool.pooled_backend import PooledBatchRunner
 from chapters.ch05_inference_engine.engine import (
     ConversionReport,
     Engine,
@@ -60,6 +66,7 @@ from chapters.ch05_inference_engine.engine import (
     cast_model,
 )
 from shared.model import GPT, KVCache
+from shared.schemas import ValidRequest
 
 DEFAULT_BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Key columns a step attends over. Attention reads every column of its bucket (masked or not), so
@@ -90,6 +97,31 @@ def length_buckets_for(max_len: int, candidates: Sequence[int] = DEFAULT_LENGTH_
     if max_len < 1:
         raise ValueError(f"max_len must be >= 1, got {max_len}")
     return tuple(sorted({c for c in candidates if c < max_len} | {max_len}))
+
+
+def batch_buckets_for(max_rows: int, candidates: Sequence[int] = DEFAULT_BATCH_BUCKETS) -> tuple[int, ...]:
+    """The candidates below ``max_rows``, and ``max_rows`` itself (the last bucket holds the largest batch)."""
+    if max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+    return tuple(sorted({c for c in candidates if c < max_rows} | {max_rows}))
+
+
+def static_shape_in(pool: KVMemoryPool, max_batch: int) -> tuple[tuple[int, ...], int]:
+    """``(batch buckets, max_len)`` of an engine whose static buffers are one range of ``pool``.
+
+    ``max_len`` is the model's context: the longest sequence a valid request reaches, the length
+    chapter 4's rule sizes the pool by, so no request is ever too long for the static buffers. The
+    rows are the largest batch the batcher sends (``max_batch``), or, when the pool's largest free
+    range holds fewer sequences of ``max_len`` positions, as many as it holds: a larger batch then
+    runs as consecutive groups (:class:`StaticCacheRunner`), as chapter 4 runs a batch too large for
+    its pool. Nothing is refused here that chapter 4 serves (its sizing refuses a pool that cannot
+    hold one whole-context request, one line at start-up); the rows that do not fit are logged.
+    """
+    max_len = pool.config.n_ctx
+    fit = pool.stats().largest_free_blocks * pool.block_tokens // max_len
+    if fit < 1:
+        raise ValueError(f"the pool's largest free range cannot hold one sequence of {max_len} positions")
+    return batch_buckets_for(min(max_batch, fit)), max_len
 
 
 def cudagraph_unavailable_reason(precision: str, device: torch.device) -> str | None:
@@ -176,7 +208,7 @@ class CudaGraphEngine(Engine):
         pool: KVMemoryPool | None = None,
     ) -> None:
         config, device = module.config, module.device
-        super().__init__(config, device, _activation_dtype(precision, device), ConversionReport())
+        super().__init__(config, device, self.dtype_for(precision, device), ConversionReport())
         if capture and device.type != "cuda":
             raise EngineUnavailable(cudagraph_unavailable_reason(precision, device) or "capture needs CUDA")
         self.precision = precision
@@ -211,6 +243,11 @@ class CudaGraphEngine(Engine):
         self._live_cache: StaticSlotCache | None = None
         # Which foreign cache the static rows hold, and at how many positions (see _adopt).
         self._resident: tuple[weakref.ref, int] | None = None
+
+    @staticmethod
+    def dtype_for(precision: str, device: torch.device) -> torch.dtype:
+        """The dtype of the static keys and values at ``precision``: a pool handed in must hold it."""
+        return _activation_dtype(precision, device)
 
     # -- the two steps -----------------------------------------------------------------------
 
@@ -428,3 +465,35 @@ def build_cudagraph(
                 f"{list(engine.length_buckets)}; static keys and values: {kv_bytes} bytes in one pool range; prefill eager")],
     )
     return engine
+
+
+class StaticCacheRunner(PooledBatchRunner):
+    """Chapter 4's runner for a :class:`CudaGraphEngine` built on the runner's pool: each batch's
+    cache is the engine's own (:meth:`CudaGraphEngine.new_cache`), in the range the engine took from
+    the pool at start-up, so no decode step copies a cache (``engine.stats["adoptions"]`` stays 0).
+
+    A batch reserves nothing per batch: the engine's range is held from start-up to
+    :meth:`CudaGraphEngine.close`, and the pool's use shows it. A batch with more rows than the
+    static buffers runs as consecutive groups of at most ``engine.max_rows`` rows. ``slots_reserved``
+    counts the rows x positions each group's cache spans.
+    """
+
+    def __init__(self, engine: CudaGraphEngine, pad_id: int, prefill: Prefill) -> None:
+        super().__init__(engine, engine.pool, pad_id, prefill)
+        self.engine = engine
+
+    def groups_that_fit(self, requests: list[ValidRequest]) -> list[list[ValidRequest]]:
+        rows = self.engine.max_rows
+        return [requests[start : start + rows] for start in range(0, len(requests), rows)]
+
+    def _run_group(self, requests: list[ValidRequest]) -> list[Generated]:
+        def static_cache(batch_size: int, max_len: int) -> StaticSlotCache:
+            self.slots_reserved += batch_size * max_len
+            return self.engine.new_cache(batch_size, max_len)
+
+        rows = generate_batch(
+            self.model, [r.input_ids for r in requests], [r.max_new_tokens for r in requests],
+            self.pad_id, cache_factory=static_cache, prefill=self.prefill,
+        )
+        self.slots_written += sum(len(r.input_ids) + r.max_new_tokens - 1 for r in requests)
+        return rows

@@ -97,10 +97,10 @@ def unavailable_reason(engine: str, precision: str, device: torch.device) -> str
     return None
 
 
-def build_engine(model: GPT, engine: str = "auto", precision: str = "auto") -> Engine:
-    """The engine named ``engine`` at ``precision`` for ``model``. ``auto`` for both: :func:`choose_default`;
-    ``auto`` for one of them: eager, or fp32. Raises :class:`EngineUnavailable` (with the reason)
-    when the named engine cannot run here.
+def resolve_engine(model: GPT, engine: str = "auto", precision: str = "auto") -> tuple[str, str]:
+    """The engine and precision ``engine`` and ``precision`` name for ``model``. ``auto`` for both:
+    :func:`choose_default`; ``auto`` for one of them: eager, or fp32. Raises :class:`EngineUnavailable`
+    (with the reason) when the named engine cannot run here.
     """
     if engine == "auto" and precision == "auto":
         engine, precision = choose_default(model)
@@ -108,6 +108,12 @@ def build_engine(model: GPT, engine: str = "auto", precision: str = "auto") -> E
     reason = unavailable_reason(engine, precision, model.device)
     if reason:
         raise EngineUnavailable(f"{engine}/{precision}: {reason}")
+    return engine, precision
+
+
+def build_engine(model: GPT, engine: str = "auto", precision: str = "auto") -> Engine:
+    """The engine :func:`resolve_engine` names, built for ``model``."""
+    engine, precision = resolve_engine(model, engine, precision)
     return BUILDERS[engine](model, precision)
 
 

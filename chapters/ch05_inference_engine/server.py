@@ -8,6 +8,14 @@ model's two steps, so chapter 3's step loop drives it without knowing; the pool 
 engine's dtype (16-bit keys and values, for fp16 and for bf16 on a GPU, take half the bytes; bf16 on
 a CPU keeps them in fp32).
 
+There is one pool, sized by chapter 4's rule. The ``cudagraph`` engine (named, or chosen by the rule
+on a GPU) is built ON it: its static keys and values are one range of that pool, as many rows as the
+largest batch at the model's whole context (fewer when the pool holds fewer: a larger batch then
+runs as consecutive groups, :func:`~chapters.ch05_inference_engine.cudagraph_engine.static_shape_in`),
+and each batch's cache is the engine's own, so no decode step copies a cache. That range is held
+from start-up, so the pool's use, which admission control reads as pressure, counts it; admission is
+chapter 4's otherwise (a full queue answers 429). Every other engine runs chapter 4's pooled caches.
+
 ``--engine auto --precision auto`` (the default) serves what :func:`~chapters.ch05_inference_engine.
 engines.choose_default` measures to be fastest on this machine within the accuracy tolerance. The
 oracle's exact tokens are then a promise of ``--precision fp32`` only, which the cross-chapter tests
@@ -30,8 +38,9 @@ from chapters.ch03_dynamic_batching.batcher import DynamicBatcher
 from chapters.ch04_memory_pool.pooled_backend import CpuFallback, PooledBackend, PooledBatchRunner
 from chapters.ch03_dynamic_batching.server import BatcherOptions
 from chapters.ch04_memory_pool.server import AdmissionOptions, PoolOptions, admission_for, build_pool
+from chapters.ch05_inference_engine.cudagraph_engine import CudaGraphEngine, StaticCacheRunner, build_cudagraph, static_shape_in
 from chapters.ch05_inference_engine.engine import Engine
-from chapters.ch05_inference_engine.engines import build_engine
+from chapters.ch05_inference_engine.engines import build_engine, resolve_engine
 from shared.devices import choose_device, set_threads
 from shared.settings import ServerSettings, parse_settings, refused_flags_exit
 from shared.unwritten import or_meanwhile
@@ -60,25 +69,50 @@ class EngineSettings(EngineOptions, PoolOptions, AdmissionOptions, BatcherOption
 def engine_for(settings: EngineOptions, loaded: LoadedModel) -> Engine:
     """The engine the settings ask for; fails at start-up (with the reason) when it cannot run here,
     rather than serving something else than was asked for."""
-    engine = or_meanwhile(lambda: build_engine(loaded.model, settings.engine, settings.precision),
-                          lambda: build_engine(loaded.model, "eager", "fp32"), "the engine is eager/fp32")
+    return announced(or_meanwhile(lambda: build_engine(loaded.model, settings.engine, settings.precision),
+                                  lambda: build_engine(loaded.model, "eager", "fp32"), "the engine is eager/fp32"))
+
+
+def announced(engine: Engine) -> Engine:
     cost = engine.conversion
     log.info("engine %s on %s: ready in %.1f s%s", engine.label, engine.device, cost.seconds,
              " (artifacts from the cache)" if cost.from_cache else "")
     return engine
 
 
+def runner_for(settings: EngineSettings, loaded: LoadedModel) -> PooledBatchRunner:
+    """The engine the settings ask for (as :func:`engine_for`) and chapter 4's runner over the one pool."""
+    return or_meanwhile(
+        lambda: pooled_runner(settings, loaded, *resolve_engine(loaded.model, settings.engine, settings.precision)),
+        lambda: pooled_runner(settings, loaded, "eager", "fp32"), "the engine is eager/fp32")
+
+
+def pooled_runner(settings: EngineSettings, loaded: LoadedModel, name: str, precision: str) -> PooledBatchRunner:
+    """Engine ``name`` at ``precision`` (already resolved) and the runner over the one pool (the module's docstring)."""
+    model, pad_id = loaded.model, loaded.tokenizer.pad_id
+    if name != "cudagraph":
+        engine = announced(build_engine(model, name, precision))
+        pool = build_pool(settings, settings.max_concurrency, loaded.config, engine.dtype, engine.device)
+        return PooledBatchRunner(engine, pool, pad_id, settings.prefill)
+    dtype = CudaGraphEngine.dtype_for(precision, model.device)
+    pool = build_pool(settings, settings.max_concurrency, loaded.config, dtype, model.device)
+    batch_buckets, max_len = static_shape_in(pool, settings.max_batch)
+    if batch_buckets[-1] < settings.max_batch:
+        log.warning("the pool holds %d sequences of %d positions, fewer than --max-batch %d: a larger batch runs in groups",
+                    batch_buckets[-1], max_len, settings.max_batch)
+    engine = announced(build_cudagraph(model, precision, batch_buckets=batch_buckets, max_len=max_len, pool=pool))
+    return StaticCacheRunner(engine, pad_id, settings.prefill)
+
+
 def build_app(settings: EngineSettings) -> FastAPI:
     set_threads(settings.torch_threads)
     loaded = load_model(settings.weights, settings.preset, choose_device(settings.device), settings.torch_dtype)
-    engine = engine_for(settings, loaded)
-    pool = build_pool(settings, settings.max_concurrency, loaded.config, engine.dtype, engine.device)
-    runner = PooledBatchRunner(engine, pool, loaded.tokenizer.pad_id, settings.prefill)
+    runner = runner_for(settings, loaded)
     batcher = DynamicBatcher(runner, settings.batcher_config(), describe_row=request_row)
     backend = PooledBackend(
-        batcher, runner, admission_for(settings, batcher, pool),
+        batcher, runner, admission_for(settings, batcher, runner.pool),
         CpuFallback(loaded.model, settings.fallback_slots) if settings.fallback_slots else None,
-        {"chapter": "ch05", "model": loaded.source, "prefill": settings.prefill, "engine": engine.describe()},
+        {"chapter": "ch05", "model": loaded.source, "prefill": settings.prefill, "engine": runner.model.describe()},
     )
     app = create_app(
         title="ch05 inference engine",

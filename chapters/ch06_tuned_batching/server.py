@@ -20,11 +20,11 @@ from fastapi import FastAPI
 from pydantic import Field
 
 from chapters.ch02_fastapi_async.api import create_app
-from chapters.ch04_memory_pool.pooled_backend import CpuFallback, PooledBackend, PooledBatchRunner
+from chapters.ch04_memory_pool.pooled_backend import CpuFallback, PooledBackend
 from chapters.ch03_dynamic_batching.live_view import LiveView, request_row, serve
 from chapters.ch03_dynamic_batching.server import BatcherOptions
-from chapters.ch04_memory_pool.server import AdmissionOptions, PoolOptions, admission_for, build_pool
-from chapters.ch05_inference_engine.server import EngineOptions, engine_for
+from chapters.ch04_memory_pool.server import AdmissionOptions, PoolOptions, admission_for
+from chapters.ch05_inference_engine.server import EngineOptions, runner_for
 from chapters.ch06_tuned_batching.adaptive_window import AdaptiveBatcher
 from shared.devices import choose_device, set_threads
 from shared.settings import ServerSettings, parse_settings, refused_flags_exit
@@ -73,15 +73,13 @@ def apply_tuned_config(settings: TunedOptionsT) -> TunedOptionsT:
 
 
 def build_backend(settings: TunedSettings, loaded: LoadedModel) -> PooledBackend:
-    """Chapter 5's parts, with the adaptive batcher: engine, pool, runner, batcher, admission, fallback."""
-    engine = engine_for(settings, loaded)
-    pool = build_pool(settings, settings.max_concurrency, loaded.config, engine.dtype, engine.device)
-    runner = PooledBatchRunner(engine, pool, loaded.tokenizer.pad_id, settings.prefill)
+    """Chapter 5's parts, with the adaptive batcher: engine and runner over the one pool, batcher, admission, fallback."""
+    runner = runner_for(settings, loaded)
     batcher = AdaptiveBatcher(runner, settings.batcher_config(), min_window_s=settings.min_window_ms / 1e3, describe_row=request_row)
     return PooledBackend(
-        batcher, runner, admission_for(settings, batcher, pool),
+        batcher, runner, admission_for(settings, batcher, runner.pool),
         CpuFallback(loaded.model, settings.fallback_slots) if settings.fallback_slots else None,
-        {"chapter": "ch06", "model": loaded.source, "prefill": settings.prefill, "engine": engine.describe()},
+        {"chapter": "ch06", "model": loaded.source, "prefill": settings.prefill, "engine": runner.model.describe()},
     )
 
 

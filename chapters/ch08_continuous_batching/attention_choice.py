@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Callable
 from typing import Literal
 
 from chapters.ch08_continuous_batching.attention_flex import FlexAttention
@@ -26,6 +27,7 @@ from chapters.ch08_continuous_batching.paged_attention import PackedInputs, Page
 from chapters.ch08_continuous_batching.paged_cache import PagedKVStore
 from chapters.ch08_continuous_batching.scheduler import ScheduledRow, Sequence
 from chapters.ch08_continuous_batching.startup_cache import choose_once, machine_key, model_key, pick_within_margin, round_order
+from shared.devices import synchronize
 from shared.model import GPT
 
 log = logging.getLogger(__name__)
@@ -40,6 +42,9 @@ RULE = (
     "PREFERENCE, a backend replaces the choice so far only if the median of its same-round time ratios to it "
     "beats it by MARGIN."
 )
+# On a GPU a decode step's launches outweigh its arithmetic at this model's size, so what matters is
+# whether the step can be recorded once and replayed (cuda_graphs.py): only flex's can.
+GPU_RULE = "on a GPU, the one backend whose decode step can be recorded as CUDA graphs (gather's shapes change every step)"
 # Contexts of one length would hide what padding costs gather: the probe's rows differ, as requests do.
 # Nine rounds: a burst of load spoils at most the rounds at its edges (a round it covers whole slows both
 # backends compared alike and their ratio stands), so the median holds while fewer than half are spoiled.
@@ -67,6 +72,9 @@ def choose_attention(name: str, store: PagedKVStore, model: GPT, max_num_seqs: i
     Warm-up runs a decode step of every batch size bucket up to ``max_num_seqs`` (16, 32, 64, ...),
     so a compiled backend compiles now, not under the first requests.
     """
+    if name == "auto" and store.device.type == "cuda":  # GPU_RULE
+        log.info("decode attention: flex (%s)", GPU_RULE)
+        name = "flex"
     chosen = build_attention(name, store) if name != "auto" else _by_the_rule(store, model, max_num_seqs, remeasure)
     rows = 1
     while rows < max_num_seqs:
@@ -137,9 +145,13 @@ def measure_decode_steps(model: GPT, store: PagedKVStore, backends: dict[str, Pa
     contexts = [shortest + (longest - shortest) * i // max(1, sequences - 1) for i in range(sequences)]
     inputs, seqs = scattered_decode_inputs(store, contexts, rng)
     try:
-        steps = {name: (lambda backend=backend: model.forward_packed(inputs.input_ids, inputs.positions, backend.bind(inputs),
-                                                                     inputs.logits_indices))
-                 for name, backend in backends.items()}
+        def step_of(backend: PagedAttention) -> Callable[[], None]:
+            def step() -> None:
+                model.forward_packed(inputs.input_ids, inputs.positions, backend.bind(inputs), inputs.logits_indices)
+                synchronize(store.device)  # on a GPU: time the step, not its launch
+            return step
+
+        steps = {name: step_of(backend) for name, backend in backends.items()}
         for name, step in list(steps.items()):
             try:
                 step()

@@ -75,21 +75,32 @@ class FlexAttention(PagedAttention):
             return "flex_attention is compiled by torch.compile, which needs a C++ compiler on the CPU (none found on PATH)"
         return None
 
-    def bind_decodes(self, inputs: PackedInputs) -> DecodeAttend:
-        rows = inputs.num_decodes
-        size = max(self.MIN_BUCKET, 1 << (rows - 1).bit_length())
+    @classmethod
+    def bucket_rows(cls, rows: int) -> int:
+        """The decode rows of the bucket that holds ``rows``: a power of two, at least MIN_BUCKET."""
+        return max(cls.MIN_BUCKET, 1 << (rows - 1).bit_length())
+
+    def fill_mask(self, tables: list[list[int]], context_lens: list[int]) -> _FlexBucket:
+        """The BlockMask of the bucket that holds these decode rows, rewritten in place for their block tables."""
+        size = self.bucket_rows(len(tables))
         bucket = self._buckets.get(size)
         if bucket is None:
             bucket = self._buckets[size] = _FlexBucket(size, self.store)
-        bucket.fill(inputs.block_tables[:rows], inputs.context_lens[:rows], self.store.first_block)
+        bucket.fill(tables, context_lens, self.store.first_block)
+        return bucket
+
+    def bind_decodes(self, inputs: PackedInputs) -> DecodeAttend:
+        rows = inputs.num_decodes
+        bucket = self.fill_mask(inputs.block_tables[:rows], inputs.context_lens[:rows])
         slots = inputs.slot_mapping[:rows]
+        options = self.KERNEL_OPTIONS if self.store.device.type == "cpu" else None  # CPU template options only
 
         def decode(layer: int, q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> None:
             self.write(layer, k, v, slots)
             keys, values = (self.store.plane(layer, kv).view(-1, self.heads, self.head_dim).permute(1, 0, 2)[None] for kv in (0, 1))
             queries = keys.new_zeros(bucket.rows, self.heads, 1, self.head_dim)  # in the cache's dtype
             queries[:rows, :, 0] = q[0].transpose(0, 1)
-            y = self._flex(queries, keys, values, block_mask=bucket.block_mask, kernel_options=self.KERNEL_OPTIONS)
+            y = self._flex(queries, keys, values, block_mask=bucket.block_mask, kernel_options=options)
             out[0] = y[:rows, :, 0].transpose(0, 1)
 
         return decode
@@ -103,19 +114,19 @@ class _FlexBucket:
         self.rows = rows
         self.block_size = size = store.block_tokens
         width = store.pool.allocator.total_blocks  # index tensors must cover every block of the pool
-        self.partial_count = torch.zeros(rows, 1, 1, dtype=torch.int32)
-        self.partial_blocks = torch.zeros(rows, 1, 1, width, dtype=torch.int32)
-        self.full_count = torch.zeros(rows, 1, 1, dtype=torch.int32)
-        self.full_blocks = torch.zeros(rows, 1, 1, width, dtype=torch.int32)
-        self.last_offset = torch.zeros(rows, dtype=torch.int64)  # offset of each row's position in its block
+        ints = {"dtype": torch.int32, "device": store.device}
+        self.partial_count, self.full_count = torch.zeros(rows, 1, 1, **ints), torch.zeros(rows, 1, 1, **ints)
+        self.partial_blocks, self.full_blocks = torch.zeros(rows, 1, 1, width, **ints), torch.zeros(rows, 1, 1, width, **ints)
+        self.last_offset = torch.zeros(rows, dtype=torch.int64, device=store.device)  # each row's position's offset in its block
         last_offset, offset_bits = self.last_offset, size - 1
 
         def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             return (kv_idx & offset_bits) <= last_offset[b]  # only ever applied to a row's last block
 
+        q_block = 1 if store.device.type == "cpu" else 128  # Triton's decode kernel tiles 16+ query rows; a row is one block
         self.block_mask = BlockMask.from_kv_blocks(
             self.partial_count, self.partial_blocks, self.full_count, self.full_blocks,
-            BLOCK_SIZE=(1, size), mask_mod=mask_mod, seq_lengths=(1, width * size), compute_q_blocks=False,
+            BLOCK_SIZE=(q_block, size), mask_mod=mask_mod, seq_lengths=(1, width * size), compute_q_blocks=False,
         )
 
     def fill(self, tables: list[list[int]], context_lens: list[int], first_block: int) -> None:

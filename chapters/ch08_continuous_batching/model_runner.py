@@ -37,10 +37,23 @@ from chapters.ch08_continuous_batching.scheduler import ScheduledRow
 from shared.model import GPT, Attend
 
 
+class RecordedSteps(Protocol):
+    """Steps replayed from recordings (:class:`~chapters.ch08_continuous_batching.cuda_graphs.GraphedDecodes`)."""
+
+    def holds(self, num_rows: int, num_decodes: int) -> bool: ...
+    def prepare(self, rows: Rows[ScheduledRow]) -> int: ...
+    def run(self, bucket: int, num_rows: int) -> Tensor: ...
+
+
 class PackedModel(Protocol):
     """A model that computes a packed step: :meth:`shared.model.GPT.forward_packed`'s signature."""
 
     def forward_packed(self, input_ids: Tensor, position_ids: Tensor, attend: Attend, logits_indices: Tensor) -> Tensor: ...
+
+
+def runs_packed_steps(engine: Engine) -> bool:
+    """Whether :func:`packed_model` can take ``engine``."""
+    return isinstance(engine, TorchModuleEngine) and isinstance(getattr(engine.module, "_orig_mod", engine.module), GPT)
 
 
 def packed_model(engine: Engine) -> GPT:
@@ -49,7 +62,7 @@ def packed_model(engine: Engine) -> GPT:
     A packed step is a PyTorch forward; engines that replaced the forward with an exported graph
     (ONNX Runtime, TensorRT) or a recorded one (CUDA graphs over static batch shapes) cannot run it.
     """
-    if not isinstance(engine, TorchModuleEngine) or not isinstance(getattr(engine.module, "_orig_mod", engine.module), GPT):
+    if not runs_packed_steps(engine):
         raise EngineUnavailable(f"{engine.label}: chapter 8's packed step needs a PyTorch-module engine (eager, int8, bf16)")
     return getattr(engine.module, "_orig_mod", engine.module)
 
@@ -99,14 +112,21 @@ def prepare_inputs(store: PagedKVStore, rows: Rows[ScheduledRow], num_decodes: i
 class ModelRunner:
     """Prepares and runs one packed step; keeps how long each half took (``last_prepare_s``, ``last_model_s``)."""
 
-    def __init__(self, model: PackedModel, store: PagedKVStore, attention: PagedAttention) -> None:
+    def __init__(self, model: PackedModel, store: PagedKVStore, attention: PagedAttention, graphs: RecordedSteps | None = None) -> None:
         self.model, self.store, self.attention = model, store, attention
+        self.graphs = graphs  # decode-only steps through recorded CUDA graphs (cuda_graphs.py), if any
         self.last_prepare_s = 0.0
         self.last_model_s = 0.0
 
     def execute(self, rows: Rows[ScheduledRow], num_decodes: int) -> Tensor:
         """float32 logits (R, V) of the rows that sample, in row order (an empty (0, V) when none does)."""
         started = time.perf_counter()
+        if self.graphs is not None and self.graphs.holds(len(rows), num_decodes):
+            bucket = self.graphs.prepare(rows)
+            prepared = time.perf_counter()
+            logits = self.graphs.run(bucket, len(rows))
+            self.last_prepare_s, self.last_model_s = prepared - started, time.perf_counter() - prepared
+            return logits
         inputs = prepare_inputs(self.store, rows, num_decodes)
         attend = self.attention.bind(inputs)
         prepared = time.perf_counter()

@@ -59,6 +59,7 @@ from chapters.ch03_dynamic_batching.live_view import PAGE_DIR
 from chapters.ch04_memory_pool.memory_pool import KVMemoryPool
 from chapters.ch04_memory_pool.server import AdmissionOptions, PoolOptions, plan_pool
 from chapters.ch05_inference_engine.engine import multiplies_in_bf16
+from chapters.ch05_inference_engine.engines import build_engine
 from chapters.ch05_inference_engine.server import EngineOptions, engine_for
 from chapters.ch07_production.request_log import REQUEST_LOG, configure_json_logging
 from chapters.ch07_production.server import ProductionOptions, serve
@@ -67,7 +68,8 @@ from chapters.ch08_continuous_batching.attention_choice import ATTENTION_CHOICES
 from chapters.ch08_continuous_batching.attention_gather import GatherAttention
 from chapters.ch08_continuous_batching.continuous_backend import ContinuousBackend, continuous_state
 from chapters.ch08_continuous_batching.continuous_metrics import ContinuousCollector
-from chapters.ch08_continuous_batching.model_runner import ModelRunner, PackedModel, packed_model
+from chapters.ch08_continuous_batching.cuda_graphs import recorded_decodes
+from chapters.ch08_continuous_batching.model_runner import ModelRunner, PackedModel, packed_model, runs_packed_steps
 from chapters.ch08_continuous_batching.openai_api import CompletionsApi
 from chapters.ch08_continuous_batching.paged_cache import KV_CACHE_DTYPES, KV_CACHE_RULE, PagedKVStore, kv_cache_dtype
 from chapters.ch08_continuous_batching.sampled_contract import SAMPLED_CONTRACT
@@ -104,6 +106,9 @@ class SchedulerOptions(BaseSettings):
         "on", description="on: a request reuses the cached KV blocks of a prefix already computed (full blocks, by their tokens) | off")
     max_queue: int = AdmissionOptions.model_fields["max_queue"]  # chapter 4's knob: one meaning everywhere
     served_model_name: str = Field("", description="the model's name in /v1/models and /v1/completions (empty: the weights' name)")
+    cuda_graphs: Literal["auto", "on", "off"] = Field(
+        "auto", description="decode-only steps replayed from CUDA graphs, one per bucket of rows (cuda_graphs.py): "
+                            "auto = on where the pool is on a GPU and attention is flex | on | off")
 
     @model_validator(mode="after")
     def _knobs_agree(self) -> SchedulerOptions:
@@ -164,6 +169,10 @@ def build_backend(settings: ContinuousSettings, loaded: LoadedModel,
     """
     quiet_unactionable_warnings()  # before chapter 5's engine imports the optional libraries that log them
     step_engine = engine_for(settings, loaded)  # chapter 5: its rule's choice, or the one named
+    if settings.engine == "auto" and not runs_packed_steps(step_engine):  # a GPU's rule may pick recorded or exported graphs
+        log.info("engine: the rule chose %s, which cannot run a packed step; running %s eagerly (this chapter records "
+                 "its own decode graphs)", step_engine.label, step_engine.precision)
+        step_engine = build_engine(loaded.model, "eager", step_engine.precision)
     model = packed_model(step_engine)
     kv_dtype = kv_cache_dtype(settings.kv_cache_dtype, multiplies_in_bf16(step_engine), step_engine.dtype)
     plan = plan_pool(settings, settings.max_num_seqs, loaded.config, kv_dtype, step_engine.device)  # chapter 4's rule
@@ -179,9 +188,11 @@ def build_backend(settings: ContinuousSettings, loaded: LoadedModel,
                                                         settings.remeasure_attention),
                              lambda: GatherAttention(store), "attention is gather, not warmed up")
     scheduler = ContinuousScheduler(store, settings.scheduler_config())
-    runner = ModelRunner(wrap_model(model) if wrap_model else model, store, attention)
+    model = wrap_model(model) if wrap_model else model
+    runner = ModelRunner(model, store, attention, recorded_decodes(settings.cuda_graphs, model, store, attention, settings.max_num_seqs))
     description = {"model": loaded.source, "kv_policy": settings.kv_policy, "prefix_caching": settings.prefix_caching, "pool_rule": plan.rule,
-                   "engine": step_engine.describe(), "attention": attention.name, "kv_cache_dtype": dtype_name}
+                   "engine": step_engine.describe(), "attention": attention.name, "kv_cache_dtype": dtype_name,
+                   "cuda_graphs": runner.graphs is not None}
     step_thread = (TracedStepThread if settings.otlp_endpoint else StepThread)(runner, scheduler, settings.stream_interval)
     return ContinuousBackend(step_thread, settings.max_queue, description)
 
