@@ -172,12 +172,10 @@ class Attention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
 
-    def forward(self, x: Tensor, attend: Attend) -> Tensor:
-        batch, length, width = x.shape
-        q, k, v = self.c_attn(x).split(width, dim=2)
-        q, k, v = (t.view(batch, length, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
-        y = attend(self.layer_index, q, k, v)
-        return self.c_proj(y.transpose(1, 2).reshape(batch, length, width))
+    def heads(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The fused projection's output (B, T, 3W) as q, k, v of (B, H, T, D) each: views, no copy."""
+        batch, length, width3 = qkv.shape
+        return tuple(t.view(batch, length, self.n_head, -1).transpose(1, 2) for t in qkv.split(width3 // 3, dim=2))
 
 
 class MLP(nn.Module):
@@ -198,9 +196,19 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, attend: Attend) -> Tensor:
-        x = x + self.attn(self.ln_1(x), attend)
+    # A layer is two halves around attention, so a compiler can take each half whole while attention,
+    # which reads a cache it cannot see, stays the caller's call between them.
+    def qkv(self, x: Tensor) -> Tensor:
+        """The half before attention: LayerNorm and the fused q, k, v projection, (B, T, W) -> (B, T, 3W)."""
+        return self.attn.c_attn(self.ln_1(x))
+
+    def after_attention(self, x: Tensor, y: Tensor) -> Tensor:
+        """The half after it: attention's output ``y`` (B, H, T, D) projected and added to ``x``, then the MLP's residual."""
+        x = x + self.attn.c_proj(y.transpose(1, 2).reshape(x.shape))
         return x + self.mlp(self.ln_2(x))
+
+    def forward(self, x: Tensor, attend: Attend) -> Tensor:
+        return self.after_attention(x, attend(self.attn.layer_index, *self.attn.heads(self.qkv(x))))
 
 
 def build_attention_mask(attention_mask: Tensor | None, past: int, length: int) -> Tensor | None:

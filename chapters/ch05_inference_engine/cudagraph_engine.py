@@ -323,18 +323,15 @@ class CudaGraphEngine(Engine):
         the ones past each row's sequence masked out.
         """
         model = self.module
-        width, heads = self.config.n_embd, self.config.n_head
         mask = self._mask[:rows, :, :, :columns]
         x = model.wte(self._ids[:rows]) + model.wpe(self._positions[:rows])
         for layer, block in enumerate(model.h):
-            q, k, v = block.attn.c_attn(block.ln_1(x)).split(width, dim=2)
-            q, k, v = (t.view(rows, 1, heads, -1).transpose(1, 2) for t in (q, k, v))
+            q, k, v = block.attn.heads(block.qkv(x))
             keys, values = self.static_keys[layer][:rows], self.static_values[layer][:rows]
             keys.index_copy_(2, self._write_column, k)
             values.index_copy_(2, self._write_column, v)
             y = F.scaled_dot_product_attention(q, keys[:, :, :columns], values[:, :, :columns], attn_mask=mask)
-            x = x + block.attn.c_proj(y.transpose(1, 2).reshape(rows, 1, width))
-            x = x + block.mlp(block.ln_2(x))
+            x = block.after_attention(x, y)
         self._logits[:rows].copy_(F.linear(model.ln_f(x), model.wte.weight)[:, -1, :])
 
     def _run(self, bucket: int, columns: int) -> Tensor:

@@ -13,6 +13,7 @@ writes the same slots again, which changes no timing. The differences split the 
 from __future__ import annotations
 
 import argparse
+import copy
 import ctypes
 import math
 import statistics
@@ -30,6 +31,7 @@ from benchmarks.harness.environment import cpu_description
 from benchmarks.studies.ch08_shared_prefix.step_vs_products import ROWS, products
 from benchmarks.studies.ch08_step_profile.profile_ch08 import closed_loop
 from chapters.ch08_continuous_batching.attention_kernel import KERNEL_ARGUMENTS, KERNEL_FLAGS, KERNEL_FUNCTIONS, KERNEL_SOURCE
+from chapters.ch08_continuous_batching.compiled_layers import compile_layers
 
 ROUNDS, CALLS = 15, 20
 
@@ -67,6 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp32", "bf16"))
     parser.add_argument("--kernel-of", metavar="REV", help="also replay the step with paged_decode.c as of this git revision")
+    parser.add_argument("--compiled-layers", action="store_true",
+                        help="also replay the step with each layer's halves compiled (compiled_layers.py), on a copy of the model")
     args = parser.parse_args(argv)
     loop = closed_loop(args.attention, args.precision, "default", kv_cache=args.kv_cache_dtype)
     model = loop.engine.runner.model
@@ -96,6 +100,11 @@ def main(argv: list[str] | None = None) -> None:
         if served_kernel is None:
             parser.error("--kernel-of compares builds of the kernel backend: pass --attention kernel")
         variants[other] = (attend, GELUS["served"], kernel_of(args.kernel_of, kv_dtype, build_dir.name))
+    compiled = None
+    if args.compiled_layers:
+        compiled = copy.deepcopy(model)
+        compile_layers(compiled)
+        variants |= {"step, layers compiled": (attend, None, None), "step, layers compiled, attention skipped": (no_attention, None, None)}
     context_tokens = int(positions.sum()) + ROWS  # every row decodes: it attends to its position and those before
     read_bytes = context_tokens * 2 * config.n_embd * config.n_layer * kv_dtype.itemsize
     reads = torch.ones(read_bytes // 4, dtype=torch.float32)  # the same bytes, summed as fp32 whatever the cache's dtype
@@ -105,13 +114,15 @@ def main(argv: list[str] | None = None) -> None:
         with torch.no_grad():
             for _ in range(ROUNDS):
                 for name, (attend_with, gelu, kernel) in variants.items():
-                    shared.model.MLP.forward = lambda self, x, gelu=gelu: self.c_proj(gelu(self.c_fc(x)))
+                    # a compiled copy runs the served MLP (a patched one would make it compile again)
+                    shared.model.MLP.forward = served_mlp if gelu is None else lambda self, x, gelu=gelu: self.c_proj(gelu(self.c_fc(x)))
                     if served_kernel is not None:
                         backend._decode = kernel or served_kernel
-                    model.forward_packed(input_ids, positions, attend_with, logits_indices)
+                    runs = compiled if gelu is None else model
+                    runs.forward_packed(input_ids, positions, attend_with, logits_indices)
                     started = time.perf_counter()
                     for _ in range(CALLS):
-                        model.forward_packed(input_ids, positions, attend_with, logits_indices)
+                        runs.forward_packed(input_ids, positions, attend_with, logits_indices)
                     times[name].append((time.perf_counter() - started) / CALLS * 1e3)
                 started = time.perf_counter()
                 for _ in range(CALLS):
@@ -140,6 +151,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  GELU (the step with the identity)       {gelu:6.2f} ms  {gelu / step:4.0%}")
     print(f"  the rest beyond the products            {rest:6.2f} ms  {rest / step:4.0%}  (LayerNorm, residuals, views, Python)")
     print(f"  the step without attention and GELU is {ms['step, attention skipped, GELU identity'] / floor:.2f}x the products")
+    if args.compiled_layers:
+        step_c = ms["step, layers compiled"]
+        print(f"  with its layers compiled the step is {step_c:.2f} ms, {step_c / step:.2f}x the step and {step_c / floor:.2f}x "
+              f"the products; without attention {ms['step, layers compiled, attention skipped'] / floor:.2f}x the products")
     if args.kernel_of:
         print(f"  the step with the kernel of {args.kernel_of} is {ms[other] / step:.2f}x the step; this kernel takes "
               f"{attention / (ms[other] - ms['step, attention skipped']):.2f}x that one's attention")
