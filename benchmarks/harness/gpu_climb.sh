@@ -18,6 +18,13 @@
 #
 #   bash benchmarks/harness/gpu_climb.sh OUTDIR
 #
+# A lent machine with no package index gets what its image lacks as wheels (gpu_wheels.txt), fetched here:
+#   echo /.whl/ >> .git/info/exclude; grep -v '^#' benchmarks/harness/gpu_wheels.txt | xargs python3 -m pip download \
+#     --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl
+# and installed there first: python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
+#   export PYTHONPATH=/tmp/site:$PWD
+#
 # Limits (seconds, environment): TESTS_LIMIT_S, STEP_LIMIT_S, CHOICE_LIMIT_S, CHAPTER_LIMIT_S (each chapter),
 # CH08_LIMIT_S, TRADEOFFS_LIMIT_S (TESTS=0, STEP=0, CHOICE=0, TRADEOFFS=0 skip those steps); CHAPTERS=ch04,ch05 runs only those, in that
 # order. Every step at its limit is about 22 minutes for eight chapters: more than one 10-minute command,

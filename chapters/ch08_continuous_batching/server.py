@@ -68,8 +68,6 @@ from chapters.ch08_continuous_batching.attention_choice import ATTENTION_CHOICES
 from chapters.ch08_continuous_batching.attention_gather import GatherAttention
 from chapters.ch08_continuous_batching.continuous_backend import ContinuousBackend, continuous_state
 from chapters.ch08_continuous_batching.continuous_metrics import ContinuousCollector
-from chapters.ch08_continuous_batching.compiled_layers import RULE as LAYERS_RULE
-from chapters.ch08_continuous_batching.compiled_layers import compile_layers, compile_layers_here
 from chapters.ch08_continuous_batching.cuda_graphs import recorded_decodes
 from chapters.ch08_continuous_batching.model_runner import ModelRunner, PackedModel, packed_model, runs_packed_steps
 from chapters.ch08_continuous_batching.openai_api import CompletionsApi
@@ -108,8 +106,6 @@ class SchedulerOptions(BaseSettings):
         "on", description="on: a request reuses the cached KV blocks of a prefix already computed (full blocks, by their tokens) | off")
     max_queue: int = AdmissionOptions.model_fields["max_queue"]  # chapter 4's knob: one meaning everywhere
     served_model_name: str = Field("", description="the model's name in /v1/models and /v1/completions (empty: the weights' name)")
-    compile_layers: Literal["auto", "on", "off"] = Field(
-        "auto", description=f"each layer's halves around attention compiled by TorchInductor (compiled_layers.py): {LAYERS_RULE} | on | off")
     cuda_graphs: Literal["auto", "on", "off"] = Field(
         "auto", description="decode-only steps replayed from CUDA graphs, one per bucket of rows (cuda_graphs.py): "
                             "auto = on where the pool is on a GPU and attention is flex | on | off")
@@ -178,8 +174,6 @@ def build_backend(settings: ContinuousSettings, loaded: LoadedModel,
                  "its own decode graphs)", step_engine.label, step_engine.precision)
         step_engine = build_engine(loaded.model, "eager", step_engine.precision)
     model = packed_model(step_engine)
-    if compile_layers_here(settings.compile_layers, step_engine):
-        compile_layers(model)
     kv_dtype = kv_cache_dtype(settings.kv_cache_dtype, multiplies_in_bf16(step_engine), step_engine.dtype)
     plan = plan_pool(settings, settings.max_num_seqs, loaded.config, kv_dtype, step_engine.device)  # chapter 4's rule
     pool = KVMemoryPool(loaded.config, plan.capacity_tokens, block_tokens=settings.block_tokens, device=step_engine.device, dtype=kv_dtype)
@@ -198,7 +192,7 @@ def build_backend(settings: ContinuousSettings, loaded: LoadedModel,
     runner = ModelRunner(model, store, attention, recorded_decodes(settings.cuda_graphs, model, store, attention, settings.max_num_seqs))
     description = {"model": loaded.source, "kv_policy": settings.kv_policy, "prefix_caching": settings.prefix_caching, "pool_rule": plan.rule,
                    "engine": step_engine.describe(), "attention": attention.name, "kv_cache_dtype": dtype_name,
-                   "compiled_layers": compile_layers_here(settings.compile_layers, step_engine), "cuda_graphs": runner.graphs is not None}
+                   "cuda_graphs": runner.graphs is not None}
     step_thread = (TracedStepThread if settings.otlp_endpoint else StepThread)(runner, scheduler, settings.stream_interval)
     return ContinuousBackend(step_thread, settings.max_queue, description)
 

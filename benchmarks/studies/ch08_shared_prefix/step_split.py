@@ -31,7 +31,7 @@ from benchmarks.harness.environment import cpu_description
 from benchmarks.studies.ch08_shared_prefix.step_vs_products import ROWS, products
 from benchmarks.studies.ch08_step_profile.profile_ch08 import closed_loop
 from chapters.ch08_continuous_batching.attention_kernel import KERNEL_ARGUMENTS, KERNEL_FLAGS, KERNEL_FUNCTIONS, KERNEL_SOURCE
-from chapters.ch08_continuous_batching.compiled_layers import compile_layers
+from benchmarks.studies.ch08_shared_prefix.compiled_layers import compile_layers
 
 ROUNDS, CALLS = 15, 20
 
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp32", "bf16"))
     parser.add_argument("--kernel-of", metavar="REV", help="also replay the step with paged_decode.c as of this git revision")
     parser.add_argument("--compiled-layers", action="store_true",
-                        help="also replay the step with each layer's halves compiled (compiled_layers.py), on a copy of the model")
+                        help="also replay the step with each layer's halves compiled (compiled_layers.py beside this), on a copy of the model")
     args = parser.parse_args(argv)
     loop = closed_loop(args.attention, args.precision, "default", kv_cache=args.kv_cache_dtype)
     model = loop.engine.runner.model

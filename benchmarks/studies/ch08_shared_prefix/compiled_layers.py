@@ -1,4 +1,8 @@
-"""Each layer's two halves around attention compiled by TorchInductor: the passes between the products fused.
+"""Tried, not served: each layer's two halves around attention compiled by TorchInductor, the passes between the products fused.
+
+The step split replays a served step with these (``step_split.py --compiled-layers``); a served
+chapter 8 ran with them by default at commit cf2a832 (``--compile-layers``) and measured against vLLM
+(``peer-compiled-layers/``). The README beside this says what each showed and why it is not served.
 
 On a CPU that multiplies bf16 natively the matrix products of a decode step are a minority of its time.
 Between them, chapter 5's bf16 engine makes a pass over every activation for each of: two LayerNorms,
