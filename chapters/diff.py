@@ -51,7 +51,7 @@ READING_ORDER: dict[str, tuple[str, ...]] = {
     "ch08": ("scheduler.py", "sequence.py", "block_manager.py", "paged_cache.py", "model_runner.py", "paged_attention.py",
              "attention_gather.py", "attention_flex.py", "attention_kernel.py", "*.c", "attention_*.py", "startup_cache.py",
              "sampling.py", "stop_strings.py", "step_thread.py", "request_stream.py", "continuous_backend.py",
-             "streaming.py", "openai_api.py", "sampled_contract.py", "continuous_metrics.py", "tracing.py", "step_tracing.py"),
+             "streaming.py", "openai_api.py", "sampled_contract.py", "continuous_metrics.py", "tracing.py", "step_tracing.py", "cuda_graphs.py"),
     "ch09": ("replica.py", "routing.py", "edge.py", "cluster.py", "stopping.py", "simulation.py", "plots.py"),
 }
 
