@@ -23,7 +23,7 @@ import torch
 from chapters.ch03_dynamic_batching.batched_generation import generate_batch
 from chapters.ch04_memory_pool.memory_pool import BatchCacheLease, KVMemoryPool
 from benchmarks.harness import tradeoffs
-from chapters.ch05_inference_engine.bf16_matmul import Bf16MatmulLinear, crossover_from_timings
+from chapters.ch05_inference_engine.bf16_matmul import Bf16MatmulLinear, Bf16MLP, crossover_from_timings, linear_gelu_bf16
 from chapters.ch05_inference_engine.engine import ENGINES, PRECISIONS, Engine, EngineUnavailable
 from chapters.ch05_inference_engine.engines import build_engine, pick, unavailable_reason
 from chapters.ch05_inference_engine.onnx_engine import build_onnxruntime
@@ -268,6 +268,34 @@ def test_bf16_matmul_linear_is_exact_fp32_below_its_threshold_and_bf16_above() -
         assert out.dtype == torch.float32 and torch.equal(out, in_bf16)
         assert not torch.equal(out, linear(large))  # it really took the bf16 path ...
         torch.testing.assert_close(out, linear(large), atol=0.05, rtol=0.02)  # ... which stays close
+
+
+def test_bf16_mlp_is_the_fp32_mlp_below_its_threshold_and_the_fp32_mlp_within_bf16_rounding_above(default_model: LoadedModel) -> None:
+    mlp = default_model.model.h[0].mlp  # the oracle: the fp32 MLP, tanh-GELU between its products
+    fused = Bf16MLP(copy.deepcopy(mlp), min_rows=8)
+    width = default_model.config.n_embd
+    torch.manual_seed(0)
+    small, large = torch.randn(1, 4, width), torch.randn(1, 64, width)
+    with torch.no_grad():
+        assert torch.equal(fused(small), mlp(small))
+        out, expected = fused(large), mlp(large)
+        assert out.dtype == torch.float32 and not torch.equal(out, expected)  # it took the bf16 path ...
+        torch.testing.assert_close(out, expected, atol=0.05, rtol=0.02)  # ... GELU and all
+        unfused = fused.c_proj(torch.nn.functional.gelu(fused.c_fc(large), approximate="tanh"))
+        torch.testing.assert_close(out, unfused, atol=0.02, rtol=0.02)  # the fusion changes only where bf16 rounds
+
+
+def test_the_fused_linear_gelu_and_its_fallback_agree_within_bf16_rounding(monkeypatch) -> None:
+    torch.manual_seed(0)
+    x, weight, bias = torch.randn(32, 64).bfloat16(), torch.randn(256, 64).div(8).bfloat16(), torch.randn(256).bfloat16()
+    with torch.no_grad():
+        fused = linear_gelu_bf16(x, weight, bias)
+        monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+        fallback = linear_gelu_bf16(x, weight, bias)
+    exact = torch.nn.functional.gelu(x.double() @ weight.double().T + bias.double(), approximate="tanh")
+    assert fused.dtype == fallback.dtype == torch.bfloat16
+    for result in (fused, fallback):
+        torch.testing.assert_close(result.double(), exact, atol=0.03, rtol=0.01)
 
 
 def test_bf16_engine_on_the_cpu_keeps_activations_and_cache_fp32(engine_for) -> None:

@@ -3,7 +3,9 @@
 A CPU with AVX512-BF16 or AMX multiplies bf16 in hardware at up to twice fp32's rate, but each call
 has a fixed cost; for a few rows (a decode step at batch 1) fp32 is faster. So each block's linear
 layers measure, once at start-up, where bf16 starts to win, and use it from there on. Everything
-else (LayerNorm, softmax, attention, the KV cache) stays fp32.
+else (LayerNorm, softmax, attention, the KV cache) stays fp32, except inside the MLP: there the
+4x-wide activation between the two products stays bf16, and GELU is fused into the first product
+(:class:`Bf16MLP`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from shared.model import GPT
+from shared.model import GPT, MLP
 
 NEVER = 2**62  # a row count no call reaches: bf16 never used
 
@@ -48,6 +50,37 @@ class Bf16MatmulLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, bf16 from {self.min_rows} rows"
+
+
+class Bf16MLP(nn.Module):
+    """A block's MLP whose large calls stay bf16 from the first product to the second, GELU fused into the first.
+
+    Operator fusion, in one place: the MLP's hidden activation is four times the block's width, and
+    between the products the unfused path would cast it to fp32, run torch's tanh-GELU over it (an
+    accurate tanh per element, which on the CPU costs more than the product itself) and cast it back.
+    Here oneDNN applies GELU to the first product's fp32 accumulators in the product's own epilogue
+    (a post-op: what TorchInductor emits on the CPU) and writes bf16, which the second product reads
+    as it is. Calls below ``min_rows`` take the fp32 path, exactly :class:`~shared.model.MLP`'s.
+    """
+
+    def __init__(self, mlp: MLP, min_rows: int) -> None:
+        super().__init__()
+        self.c_fc, self.c_proj = Bf16MatmulLinear(mlp.c_fc, min_rows), Bf16MatmulLinear(mlp.c_proj, min_rows)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.numel() < self.c_fc.min_rows * self.c_fc.in_features:
+            return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+        hidden = linear_gelu_bf16(x.to(torch.bfloat16), self.c_fc.weight_bf16, self.c_fc.bias_bf16)
+        return F.linear(hidden, self.c_proj.weight_bf16, self.c_proj.bias_bf16).float()
+
+
+def linear_gelu_bf16(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``tanh-GELU(x @ weight.T + bias)`` for bf16 ``x`` and weights, in bf16: in one oneDNN call where this torch
+    has the fused op (``mkldnn._linear_pointwise``, private, so looked up), else the product, then GELU."""
+    fused = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+    if fused is not None and x.device.type == "cpu":
+        return fused(x, weight, bias, "gelu", [], "tanh")
+    return F.gelu(F.linear(x, weight, bias), approximate="tanh")
 
 
 def cpu_has_native_bf16() -> bool:
@@ -117,7 +150,8 @@ def _median_us(call, repeats: int) -> float:
 
 
 def with_bf16_matmuls(model: GPT, min_rows: int | None = None) -> GPT:
-    """``model`` (changed in place) with every transformer-block linear layer a :class:`Bf16MatmulLinear`.
+    """``model`` (changed in place) with every transformer-block linear layer a :class:`Bf16MatmulLinear`,
+    the MLP's two inside a :class:`Bf16MLP`.
 
     ``min_rows=None`` measures the crossover on the widest layer (:func:`bf16_crossover_rows`) and
     records it on the model as ``bf16_tuning``; where bf16 never won, every product stays fp32 (and
@@ -129,8 +163,8 @@ def with_bf16_matmuls(model: GPT, min_rows: int | None = None) -> GPT:
         measured, timings = bf16_crossover_rows(model.h[0].mlp.c_fc)
         min_rows = measured if measured is not None else NEVER
     for block in model.h:
-        for parent, name in ((block.attn, "c_attn"), (block.attn, "c_proj"), (block.mlp, "c_fc"), (block.mlp, "c_proj")):
-            setattr(parent, name, Bf16MatmulLinear(getattr(parent, name), min_rows))
+        block.attn.c_attn, block.attn.c_proj = (Bf16MatmulLinear(layer, min_rows) for layer in (block.attn.c_attn, block.attn.c_proj))
+        block.mlp = Bf16MLP(block.mlp, min_rows)
     model.bf16_tuning = {"min_rows": min_rows, "timings_us": timings}
     return model.eval()
 

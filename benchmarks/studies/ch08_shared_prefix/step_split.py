@@ -2,10 +2,11 @@
 
 One pure decode step of chapter 8's engine (64 rows, the default workload, ``ch08_step_profile``'s
 closed loop) is captured and replayed, in process and on one thread, in turns with variants of
-itself: attention that returns its queries (no cache read), GELU as the identity, both, GELU
-computed in other ways (the same tanh approximation through a sigmoid, in place; the exact erf
-GELU, another function, for scale), and the model's linear layers alone on 64 rows. Replaying
-writes the same slots again, which changes no timing. The differences split the step:
+itself: attention that returns its queries (no cache read); the MLP unfused, GELU computed after
+its first product (torch's tanh GELU, the identity, the same tanh approximation through a sigmoid
+in place, the exact erf GELU for scale), where the served MLP fuses it (chapter 5's ``Bf16MLP``);
+attention skipped with GELU the identity; and the model's linear layers alone on 64 rows.
+Replaying writes the same slots again, which changes no timing. The differences split the step:
 
     python -m benchmarks.studies.ch08_shared_prefix.step_split --attention kernel > benchmarks/studies/ch08_shared_prefix/step-split-kernel.txt
 """
@@ -43,7 +44,7 @@ def gelu_through_sigmoid(x: torch.Tensor) -> torch.Tensor:
 
 
 GELUS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "served": lambda x: F.gelu(x, approximate="tanh"),
+    "tanh": lambda x: F.gelu(x, approximate="tanh"),
     "identity": lambda x: x,
     "via sigmoid, in place": gelu_through_sigmoid,
     "exact (erf)": F.gelu,
@@ -88,9 +89,16 @@ def main(argv: list[str] | None = None) -> None:
     model.forward_packed = forward
     input_ids, positions, attend, logits_indices = captured[0]
     no_attention = lambda layer, q, k, v: q  # noqa: E731
-    variants = {f"step, GELU {name}": (attend, gelu, None) for name, gelu in GELUS.items()}
-    variants |= {"step, attention skipped": (no_attention, GELUS["served"], None),
-                 "step, attention skipped, GELU identity": (no_attention, GELUS["identity"], None)}
+    mlp_class = type(model.h[0].mlp)  # shared.model.MLP, or chapter 5's Bf16MLP under a bf16 engine
+    served_mlp = mlp_class.forward
+
+    def unfused(gelu: Callable) -> Callable:
+        return lambda self, x: self.c_proj(gelu(self.c_fc(x)))
+
+    variants = {"step, as served": (attend, served_mlp, None)}
+    variants |= {f"step, GELU {name} after the product": (attend, unfused(gelu), None) for name, gelu in GELUS.items()}
+    variants |= {"step, attention skipped": (no_attention, served_mlp, None),
+                 "step, attention skipped, GELU identity": (no_attention, unfused(GELUS["identity"]), None)}
     run_products, gflop = products(torch.bfloat16 if args.precision == "bf16" else torch.float32)
     config, kv_dtype = loop.engine.runner.store.config, loop.engine.runner.store.pool.storage.dtype
     backend = loop.engine.runner.attention
@@ -99,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.kernel_of:
         if served_kernel is None:
             parser.error("--kernel-of compares builds of the kernel backend: pass --attention kernel")
-        variants[other] = (attend, GELUS["served"], kernel_of(args.kernel_of, kv_dtype, build_dir.name))
+        variants[other] = (attend, served_mlp, kernel_of(args.kernel_of, kv_dtype, build_dir.name))
     compiled = None
     if args.compiled_layers:
         compiled = copy.deepcopy(model)
@@ -108,17 +116,16 @@ def main(argv: list[str] | None = None) -> None:
     context_tokens = int(positions.sum()) + ROWS  # every row decodes: it attends to its position and those before
     read_bytes = context_tokens * 2 * config.n_embd * config.n_layer * kv_dtype.itemsize
     reads = torch.ones(read_bytes // 4, dtype=torch.float32)  # the same bytes, summed as fp32 whatever the cache's dtype
-    served_mlp = shared.model.MLP.forward
     times: dict[str, list[float]] = {name: [] for name in [*variants, "matrix products alone", "reads alone"]}
     try:
         with torch.no_grad():
             for _ in range(ROUNDS):
-                for name, (attend_with, gelu, kernel) in variants.items():
-                    # a compiled copy runs the served MLP (a patched one would make it compile again)
-                    shared.model.MLP.forward = served_mlp if gelu is None else lambda self, x, gelu=gelu: self.c_proj(gelu(self.c_fc(x)))
+                for name, (attend_with, mlp_forward, kernel) in variants.items():
+                    # None: the compiled copy, which runs the served MLP (a patched one would make it compile again)
+                    mlp_class.forward = mlp_forward or served_mlp
                     if served_kernel is not None:
                         backend._decode = kernel or served_kernel
-                    runs = compiled if gelu is None else model
+                    runs = compiled if mlp_forward is None else model
                     runs.forward_packed(input_ids, positions, attend_with, logits_indices)
                     started = time.perf_counter()
                     for _ in range(CALLS):
@@ -133,14 +140,15 @@ def main(argv: list[str] | None = None) -> None:
                     reads.sum(dtype=torch.float32)
                 times["reads alone"].append((time.perf_counter() - started) / CALLS * 1e3)
     finally:
-        shared.model.MLP.forward = served_mlp
+        mlp_class.forward = served_mlp
         if served_kernel is not None:
             backend._decode = served_kernel
         build_dir.cleanup()
     ms = {name: statistics.median(values) for name, values in times.items()}
-    step, floor = ms["step, GELU served"], ms["matrix products alone"]
+    step, floor = ms["step, as served"], ms["matrix products alone"]
     attention = step - ms["step, attention skipped"]
-    gelu = step - ms["step, GELU identity"]
+    unfused_step = ms["step, GELU tanh after the product"]
+    gelu = unfused_step - ms["step, GELU identity after the product"]
     rest = ms["step, attention skipped, GELU identity"] - floor
     print(f"{cpu_description()}, torch {torch.__version__}, one thread; {loop.label}")
     print(f"one decode step of {ROWS} rows replayed; median of {ROUNDS} interleaved rounds of {CALLS} calls\n")
@@ -148,8 +156,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {name:<40} {value:7.2f} ms  {value / step:5.2f}x the step")
     print(f"\nthe step, {step:.2f} ms, is {step / floor:.2f}x its matrix products alone ({gflop:.3f} GFLOP, {floor:.2f} ms):")
     print(f"  decode attention (the step without it)  {attention:6.2f} ms  {attention / step:4.0%}")
-    print(f"  GELU (the step with the identity)       {gelu:6.2f} ms  {gelu / step:4.0%}")
-    print(f"  the rest beyond the products            {rest:6.2f} ms  {rest / step:4.0%}  (LayerNorm, residuals, views, Python)")
+    print(f"  GELU after its product (unfused: tanh less the identity) {gelu:6.2f} ms  {gelu / step:4.0%}")
+    print(f"  the rest beyond the products            {rest:6.2f} ms  {rest / step:4.0%}  (LayerNorm, residuals, casts, views, Python)")
+    if mlp_class is not shared.model.MLP:
+        print(f"  less what {mlp_class.__name__} saves (the MLP unfused less as served) {unfused_step - step:6.2f} ms: "
+              f"the unfused step is {unfused_step / step:.2f}x the step")
     print(f"  the step without attention and GELU is {ms['step, attention skipped, GELU identity'] / floor:.2f}x the products")
     if args.compiled_layers:
         step_c = ms["step, layers compiled"]
