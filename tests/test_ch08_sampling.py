@@ -40,6 +40,7 @@ from chapters.ch08_continuous_batching.sampling import (
 )
 from chapters.ch08_continuous_batching.scheduler import ContinuousScheduler, SchedulerConfig, Sequence
 from chapters.ch08_continuous_batching.stop_strings import StopStrings, StopText, visible_text
+from chapters.ch08_continuous_batching.openai_api import text_chunk
 from chapters.ch08_continuous_batching.streaming import TextDelta, sse, token_event
 from shared.tokenizer import BYTE_VOCAB_SIZE, ByteTokenizer
 
@@ -234,6 +235,13 @@ def test_a_text_delta_decodes_a_few_tokens_per_token_however_long_the_answer() -
 @settings(max_examples=300, deadline=None)
 def test_a_token_event_is_the_server_sent_event_of_its_fields(token_id: int, text: str) -> None:
     assert token_event(token_id, text) == sse({"token_id": token_id, "text": text}, event="token")
+
+
+@given(st.text(), st.text(), st.integers(0, 2**40))
+@settings(max_examples=300, deadline=None)
+def test_an_openai_text_chunk_is_the_server_sent_event_of_its_fields(text: str, model: str, created: int) -> None:
+    meta = {"id": "cmpl-0123abcd", "object": "text_completion", "created": created, "model": model}
+    assert text_chunk(meta)(text) == sse({**meta, "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": None}]})
 
 
 # Answers and stops over the same characters, one, two and three bytes long, with broken characters

@@ -26,9 +26,10 @@ Errors keep the contract's body ``{"error": {"type", "message"}}``: the OpenAI c
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -176,12 +177,16 @@ class CompletionsApi:
 
     async def _chunks(self, tokens: AsyncIterator[int | Generated], meta: dict, prompt_tokens: int, include_usage: bool,
                       stops: tuple[str, ...]) -> AsyncIterator[bytes]:
-        text, runs = StopText(self.tokenizer, stops), EventRuns(self.stream_interval)
+        text, runs, chunk = StopText(self.tokenizer, stops), EventRuns(self.stream_interval), text_chunk(meta)
         try:
             async for event in tokens:
                 if not isinstance(event, Generated):
-                    logprobs = self._logprobs([int(event)], [event.logprobs], [text.decoded_chars]) if isinstance(event, SampledToken) else None
-                    if (due := runs.add(sse({**meta, "choices": [_choice(text.add(event), None, logprobs)]}))) is not None:
+                    if isinstance(event, SampledToken):
+                        logprobs = self._logprobs([int(event)], [event.logprobs], [text.decoded_chars])
+                        due = runs.add(sse({**meta, "choices": [_choice(text.add(event), None, logprobs)]}))
+                    else:
+                        due = runs.add(chunk(text.add(event)))
+                    if due is not None:
                         yield due
                     continue
                 last = sse({**meta, "choices": [_choice(text.finish(), _finish_reason(event))]})
@@ -192,6 +197,14 @@ class CompletionsApi:
             yield runs.rest(sse(error.body()))  # the client raises APIError from an "error" payload
         finally:
             await tokens.aclose()
+
+
+def text_chunk(meta: dict) -> Callable[[str], bytes]:
+    """The chunk a stream sends per token, ``sse({**meta, "choices": [_choice(text, None)]})``, the same bytes
+    from a template made once per stream: the per-token call then JSON-encodes one string (``json.dumps``'s C
+    fast path) instead of a dict with an encoder built for the call, as :func:`~.streaming.token_event` does."""
+    head, tail = sse({**meta, "choices": [_choice("\0", None)]}).rsplit(b'"\\u0000"', 1)  # the text is the last field's
+    return lambda text: b"".join((head, json.dumps(text).encode(), tail))
 
 
 def _choice(text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:

@@ -54,21 +54,22 @@ def main() -> None:
     parser.add_argument("--users", type=int, default=64)
     parser.add_argument("--seconds", type=int, default=15)
     parser.add_argument("--no-stream", action="store_true")
+    parser.add_argument("--api", default="inference", choices=("inference", "openai"), help="the route: /v1/inference or OpenAI's /v1/completions")
     parser.add_argument("--top", type=int, default=40)
     args = parser.parse_args()
     harness, flags, env = harness_settings("cpu")
     stream = not args.no_stream
     with running_module("chapters.ch08_continuous_batching", flags, name="ch08", env=env, cpu_cores=harness["server_cores"]) as server, \
             tempfile.NamedTemporaryFile(suffix=".txt") as raw:
-        asyncio.run(run_closed_loop(server.url, 4, 2.0, args.workload, stream, seed=7))
+        asyncio.run(run_closed_loop(server.url, 4, 2.0, args.workload, stream, seed=7, api=args.api))
         spy = subprocess.Popen(["py-spy", "record", "-p", str(server.pid), "-d", str(args.seconds), "-r", "50", "--threads",
                                 "--nonblocking", "-f", "raw", "-o", raw.name], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        records, window = asyncio.run(run_closed_loop(server.url, args.users, args.seconds + 5, args.workload, stream, seed=1234))
+        records, window = asyncio.run(run_closed_loop(server.url, args.users, args.seconds + 5, args.workload, stream, seed=1234, api=args.api))
         spy.wait()
         summary = summarize(records, window, None, None, None)
         report = fold(Path(raw.name).read_text(), args.top)
     how = "streamed" if stream else "whole answers"
-    print(f"chapter 8, workload {args.workload}, {args.users} users, {how}: {summary['qps']:.1f} QPS over the sampled run; "
+    print(f"chapter 8, workload {args.workload}, {args.users} users, {how} ({args.api} route): {summary['qps']:.1f} QPS over the sampled run; "
           f"CPU: {cpu_description()}; py-spy at 50 Hz for {args.seconds} s")
     print("\n".join(report))
 
