@@ -23,7 +23,7 @@ import torch
 from chapters.ch03_dynamic_batching.batched_generation import generate_batch
 from chapters.ch04_memory_pool.memory_pool import BatchCacheLease, KVMemoryPool
 from benchmarks.harness import tradeoffs
-from chapters.ch05_inference_engine.bf16_matmul import Bf16MatmulLinear, Bf16MLP, crossover_from_timings, linear_gelu_bf16
+from chapters.ch05_inference_engine.bf16_matmul import ROW_BUCKET, Bf16MatmulLinear, Bf16MLP, bf16_rows, crossover_from_timings, linear_gelu_bf16
 from chapters.ch05_inference_engine.engine import ENGINES, PRECISIONS, Engine, EngineUnavailable
 from chapters.ch05_inference_engine.engines import build_engine, pick, unavailable_reason
 from chapters.ch05_inference_engine.onnx_engine import build_onnxruntime
@@ -283,6 +283,35 @@ def test_bf16_mlp_is_the_fp32_mlp_below_its_threshold_and_the_fp32_mlp_within_bf
         torch.testing.assert_close(out, expected, atol=0.05, rtol=0.02)  # ... GELU and all
         unfused = fused.c_proj(torch.nn.functional.gelu(fused.c_fc(large), approximate="tanh"))
         torch.testing.assert_close(out, unfused, atol=0.02, rtol=0.02)  # the fusion changes only where bf16 rounds
+
+
+def test_bf16_products_see_only_bucketed_row_counts_and_give_each_row_what_an_unpadded_product_gives(monkeypatch) -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96)
+    mixed = Bf16MatmulLinear(linear, min_rows=1)
+    seen: set[int] = set()
+    real_linear = torch.nn.functional.linear
+
+    def recording_linear(x, weight, bias=None):  # noqa: ANN001, ANN202
+        seen.add(x.numel() // x.shape[-1])
+        return real_linear(x, weight, bias)
+
+    inputs = {rows: torch.randn(1, rows, 64) for rows in range(1, 200)}
+    expected = {rows: real_linear(x.bfloat16(), linear.weight.bfloat16(), linear.bias.bfloat16()).float() for rows, x in inputs.items()}
+    monkeypatch.setattr(torch.nn.functional, "linear", recording_linear)
+    with torch.no_grad():
+        for rows, x in inputs.items():
+            out = mixed(x)
+            assert out.shape == (1, rows, 96)
+            torch.testing.assert_close(out, expected[rows], atol=1e-6, rtol=0)  # padding changes no row's result
+    assert seen == set(range(ROW_BUCKET, 200 + ROW_BUCKET, ROW_BUCKET))  # oneDNN builds a kernel per shape: few shapes
+
+
+def test_bf16_rows_pads_with_zero_rows_to_the_bucket() -> None:
+    x = torch.randn(2, 9, 8)
+    rows = bf16_rows(x)
+    assert rows.dtype == torch.bfloat16 and rows.shape == (ROW_BUCKET * 2, 8)
+    assert torch.equal(rows[:18], x.reshape(18, 8).bfloat16()) and not rows[18:].any()
 
 
 def test_the_fused_linear_gelu_and_its_fallback_agree_within_bf16_rounding(monkeypatch) -> None:

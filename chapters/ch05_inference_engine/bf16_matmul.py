@@ -21,6 +21,10 @@ from torch import Tensor, nn
 from shared.model import GPT, MLP
 
 NEVER = 2**62  # a row count no call reaches: bf16 never used
+# bf16 products run on a row count rounded up to a multiple of this: oneDNN builds (JIT-compiles) a kernel
+# for each new shape and keeps a bounded number of them, so a server whose steps carry any number of tokens
+# would keep compiling; on the buckets it builds each at most once.
+ROW_BUCKET = 16
 
 
 class Bf16MatmulLinear(nn.Module):
@@ -70,8 +74,8 @@ class Bf16MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if x.numel() < self.c_fc.min_rows * self.c_fc.in_features:
             return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
-        hidden = linear_gelu_bf16(x.to(torch.bfloat16), self.c_fc.weight_bf16, self.c_fc.bias_bf16)
-        return F.linear(hidden, self.c_proj.weight_bf16, self.c_proj.bias_bf16).float()
+        hidden = linear_gelu_bf16(bf16_rows(x), self.c_fc.weight_bf16, self.c_fc.bias_bf16)
+        return _unpadded(F.linear(hidden, self.c_proj.weight_bf16, self.c_proj.bias_bf16), x)
 
 
 def linear_gelu_bf16(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -136,7 +140,25 @@ def crossover_from_timings(timings: dict[int, tuple[float, float]]) -> int | Non
 
 
 def _bf16_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    return F.linear(x.to(torch.bfloat16), weight, bias).float()
+    return _unpadded(F.linear(bf16_rows(x), weight, bias), x)
+
+
+def bf16_rows(x: Tensor) -> Tensor:
+    """``x`` (..., K) as bf16 rows (R, K), R its row count rounded up to :data:`ROW_BUCKET`, the rows past
+    its own zero: one copy, which is also the cast. Rows never mix in a product, so the padding changes no
+    row of the result; :func:`_unpadded` drops it."""
+    rows = x.numel() // x.shape[-1]
+    padded = -(-rows // ROW_BUCKET) * ROW_BUCKET
+    out = torch.empty(padded, x.shape[-1], dtype=torch.bfloat16, device=x.device)
+    out[rows:].zero_()
+    out[:rows].copy_(x.reshape(rows, x.shape[-1]))
+    return out
+
+
+def _unpadded(y: Tensor, x: Tensor) -> Tensor:
+    """The rows of ``y`` that ``x`` asked for, fp32, in ``x``'s leading shape."""
+    rows = x.numel() // x.shape[-1]
+    return y[:rows].float().view(*x.shape[:-1], y.shape[-1])
 
 
 def _median_us(call, repeats: int) -> float:
