@@ -148,10 +148,12 @@ def bf16_rows(x: Tensor) -> Tensor:
     its own zero: one copy, which is also the cast. Rows never mix in a product, so the padding changes no
     row of the result; :func:`_unpadded` drops it."""
     rows = x.numel() // x.shape[-1]
-    padded = -(-rows // ROW_BUCKET) * ROW_BUCKET
+    padded, flat = -(-rows // ROW_BUCKET) * ROW_BUCKET, x.reshape(rows, x.shape[-1])
+    if padded == rows:
+        return flat.to(torch.bfloat16)
     out = torch.empty(padded, x.shape[-1], dtype=torch.bfloat16, device=x.device)
     out[rows:].zero_()
-    out[:rows].copy_(x.reshape(rows, x.shape[-1]))
+    out[:rows].copy_(flat)
     return out
 
 

@@ -25,8 +25,9 @@ from benchmarks.harness.server_process import running_module  # noqa: E402
 from benchmarks.harness.streaming import harness_settings, run_closed_loop, summarize  # noqa: E402
 
 
-def fold(raw: str, top: int) -> list[str]:
-    """py-spy's ``raw`` output (one ``thread;frame;...;frame count`` per line) as a report."""
+def fold(raw: str, top: int, folded: str = "event loop") -> list[str]:
+    """py-spy's ``raw`` output (one ``thread;frame;...;frame count`` per line) as a report: each thread's share,
+    then the functions most often on the stacks of the thread named ``folded``."""
     per_thread: collections.Counter[str] = collections.Counter()
     inclusive: collections.Counter[str] = collections.Counter()
     loop_total = 0
@@ -35,14 +36,14 @@ def fold(raw: str, top: int) -> list[str]:
         frames = stack.split(";")
         thread = "event loop" if "MainThread" in frames[0] else frames[0].split(": ", 1)[-1]
         per_thread[thread] += int(count)
-        if thread != "event loop":
+        if thread != folded:
             continue
         loop_total += int(count)
         for name in {frame.split(" (")[0] + " (" + frame.rsplit("/", 1)[-1].split(":")[0] + ")" for frame in frames[1:]}:
             inclusive[name] += int(count)
     total = sum(per_thread.values())
     lines = ["samples per thread:"] + [f"  {thread:20s} {n:6d}  {n / total:6.1%}" for thread, n in per_thread.most_common()]
-    lines += [f"event loop: the {top} functions most often on its stacks (share of its {loop_total} samples; "
+    lines += [f"{folded}: the {top} functions most often on its stacks (share of its {loop_total} samples; "
               "uvloop's own C code shows as Runner.run)"]
     lines += [f"  {n / loop_total:6.1%}  {name}" for name, n in inclusive.most_common(top)]
     return lines
@@ -56,6 +57,7 @@ def main() -> None:
     parser.add_argument("--no-stream", action="store_true")
     parser.add_argument("--api", default="inference", choices=("inference", "openai"), help="the route: /v1/inference or OpenAI's /v1/completions")
     parser.add_argument("--top", type=int, default=40)
+    parser.add_argument("--thread", default="event loop", help="whose functions to list: 'event loop' or another thread's name")
     args = parser.parse_args()
     harness, flags, env = harness_settings("cpu")
     stream = not args.no_stream
@@ -67,7 +69,7 @@ def main() -> None:
         records, window = asyncio.run(run_closed_loop(server.url, args.users, args.seconds + 5, args.workload, stream, seed=1234, api=args.api))
         spy.wait()
         summary = summarize(records, window, None, None, None)
-        report = fold(Path(raw.name).read_text(), args.top)
+        report = fold(Path(raw.name).read_text(), args.top, args.thread)
     how = "streamed" if stream else "whole answers"
     print(f"chapter 8, workload {args.workload}, {args.users} users, {how} ({args.api} route): {summary['qps']:.1f} QPS over the sampled run; "
           f"CPU: {cpu_description()}; py-spy at 50 Hz for {args.seconds} s")
