@@ -61,7 +61,7 @@ class Bf16MLP(nn.Module):
 
     Operator fusion, in one place: the MLP's hidden activation is four times the block's width, and
     between the products the unfused path would cast it to fp32, run torch's tanh-GELU over it (an
-    accurate tanh per element, which on the CPU costs more than the product itself) and cast it back.
+    accurate tanh per element, which on a CPU can cost as much as the product) and cast it back.
     Here oneDNN applies GELU to the first product's fp32 accumulators in the product's own epilogue
     (a post-op: what TorchInductor emits on the CPU) and writes bf16, which the second product reads
     as it is. Calls below ``min_rows`` take the fp32 path, exactly :class:`~shared.model.MLP`'s.
