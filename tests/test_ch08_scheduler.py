@@ -265,13 +265,16 @@ def test_the_servers_blocks_of_128_give_the_oracles_tokens_under_chunked_prefill
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-def test_the_kernel_reads_the_models_own_views_and_writes_the_new_keys_where_gather_does(cache_dtype) -> None:
+@pytest.mark.parametrize("n_embd, n_head", [(32, 2), (128, 2), (96, 2), (288, 1)])
+def test_the_kernel_reads_the_models_own_views_and_writes_the_new_keys_where_gather_does(cache_dtype, n_embd, n_head) -> None:
     """Decode rows over scattered blocks: the kernel, given q, k, v as the model's ``c_attn`` leaves them
     (strided views of one (N, 3W) tensor), writes the pool exactly as ``gather`` does and attends as it
-    does; given contiguous copies or bf16 inputs it takes its copying path to the same result."""
+    does; given contiguous copies or bf16 inputs it takes its copying path to the same result. Heads of
+    16, 64, 48 and 288 numbers: one number at a time, in vector pairs (GPT-2's 64, a constant to the
+    compiler), both, and more than the registers hold."""
     from chapters.ch08_continuous_batching.attention_choice import scattered_decode_inputs
 
-    config = ModelConfig(vocab_size=16, n_ctx=64, n_embd=32, n_layer=1, n_head=2)
+    config = ModelConfig(vocab_size=16, n_ctx=64, n_embd=n_embd, n_layer=1, n_head=n_head)
     rows, size, rng = 5, 4, random.Random(3)
     store = PagedKVStore(KVMemoryPool(config, 64 * 4, block_tokens=size, dtype=cache_dtype))
     for kv in (0, 1):

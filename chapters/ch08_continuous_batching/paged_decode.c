@@ -4,23 +4,25 @@
  *
  * First every row's new key and value go into its slot (slots[r], rounded to the cache's dtype); then,
  * for each row: where each position it attends to lies (position t in slot
- * tables[r][t / block] * block + t % block), every head's scores over those positions, a softmax over
- * the whole row at once (its length is known: no running maximum, no rescaling), then the weighted
- * sum of the values. Everything accumulates in fp32.
+ * tables[r][t / block] * block + t % block), then head after head: its scores over those positions, a
+ * softmax over the whole row at once (its length is known: no running maximum, no rescaling), then the
+ * weighted sum of the values. Everything accumulates in fp32.
  *
  * Why it is written this way. A decode step reads every running sequence's keys and values once per
  * layer and does little with each: per position and head, a dot product of head_dim numbers. So
- *  - each position's row (every head) is read once per pass, in order, and the rows AHEAD positions
- *    on are asked for early: the blocks lie anywhere in the pool, and the CPU's own prefetcher finds
- *    no stream across a block boundary;
+ *  - a head's query and its output sums stay in registers for the whole row; the row's own keys and
+ *    values stay in the core's caches from one head to the next, and the first head's passes ask for
+ *    the rows AHEAD positions on early: the blocks lie anywhere in the pool, and the CPU's own
+ *    prefetcher finds no stream across a block boundary;
  *  - the arithmetic is in vectors of LANES floats (GCC's and clang's vector extensions: one AVX-512
  *    register where the CPU has them, one AVX2 register otherwise), and the LANES positions' partial
  *    sums are reduced together (sum_lanes), as vLLM's CPU attention scores a block of positions at
  *    once: one position at a time, each dot product would end in a chain of shuffles of its own;
  *  - e^x is a vector polynomial (exp_lanes), as in vLLM's and llama.cpp's CPU softmax: the C library's
  *    expf takes one number at a time;
- *  - a bf16 cache is widened sixteen (or eight) numbers at a time, which is the whole of bf16 -> fp32.
- * No -ffast-math: the compiler reorders no sum, so a result depends on LANES and on nothing else.
+ *  - a bf16 cache is read 2 * LANES numbers at a time and widened with a shift and a mask, its even and
+ *    odd numbers apart (pair_bf16): the query is split to match once per head, the output joined once.
+ * No -ffast-math: the compiler reorders no sum, so a result depends on LANES and the cache's dtype only.
  *
  * q, k_new, v_new  fp32; element (r, h, d) at r * token_stride + h * head_stride + d: the model's own
  *                  (1, heads, rows, head_dim) views, read where they are, no copy
@@ -87,14 +89,55 @@ static inline floats lanes_fp32(const float *p) {
     return v;
 }
 
-static inline floats lanes_bf16(const uint16_t *p) {
-    halves h;
-    memcpy(&h, p, sizeof h);
-    return (floats)(__builtin_convertvector(h, uints) << 16); /* a bf16 is the top half of its float */
+/* 2 * LANES numbers of a cache row as two vectors, `first` and `second`: for fp32, the first LANES
+ * numbers and the next LANES; for bf16, the even-numbered and the odd-numbered ones. A bf16 is the top
+ * half of its float, so one load of 2 * LANES bf16 as LANES 32-bit words gives both vectors with a
+ * shift and a mask and no shuffle: widening them in order (a shuffle each) cost more than the products.
+ * The query is split the same way once per head (split_*), and the output joined once (join_*): a dot
+ * product and a weighted sum do not care in which order their terms lie. */
+static inline void pair_fp32(const float *p, floats *first, floats *second) {
+    *first = lanes_fp32(p);
+    *second = lanes_fp32(p + LANES);
 }
 
-/* LANES positions' partial-sum vectors (part[p]: lane j holds the terms j, j + LANES, ... of position
- * p's dot product) to their LANES sums, position p in lane p. Each level adds lane j to lane j + half
+static inline void pair_bf16(const uint16_t *p, floats *first, floats *second) {
+    uints words;
+    memcpy(&words, p, sizeof words);
+    *first = (floats)(words << 16);
+    *second = (floats)(words & 0xffff0000u);
+}
+
+static inline void split_fp32(const float *q, floats *first, floats *second) { pair_fp32(q, first, second); }
+
+static inline void join_fp32(float *out, floats first, floats second) {
+    memcpy(out, &first, sizeof first);
+    memcpy(out + LANES, &second, sizeof second);
+}
+
+#if LANES == 16
+#define EVENS 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30
+#define ODDS 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31
+#define LOW_HALVES 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23
+#define HIGH_HALVES 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31
+#else
+#define EVENS 0, 2, 4, 6, 8, 10, 12, 14
+#define ODDS 1, 3, 5, 7, 9, 11, 13, 15
+#define LOW_HALVES 0, 8, 1, 9, 2, 10, 3, 11
+#define HIGH_HALVES 4, 12, 5, 13, 6, 14, 7, 15
+#endif
+
+static inline void split_bf16(const float *q, floats *first, floats *second) {
+    const floats low = lanes_fp32(q), high = lanes_fp32(q + LANES);
+    *first = PICK(low, high, EVENS);
+    *second = PICK(low, high, ODDS);
+}
+
+static inline void join_bf16(float *out, floats first, floats second) {
+    join_fp32(out, PICK(first, second, LOW_HALVES), PICK(first, second, HIGH_HALVES));
+}
+
+/* LANES positions' partial-sum vectors (part[p]: each lane holds some of the terms of position p's dot
+ * product) to their LANES sums, position p in lane p. Each level adds lane j to lane j + half
  * within groups of lanes and packs two vectors' results into one: the lanes are added in the order
  * of a tree within one vector (j + LANES / 2, ..., j + 2, j + 1), for LANES positions at once. */
 #if LANES == 16
@@ -155,51 +198,52 @@ static inline void prefetch_row(const void *row, int64_t bytes) {
     for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch((const char *)row + at, 0, 3);
 }
 
-/* One row's attention, every head. `head_dim` is a constant where the caller passes one (64: the
- * compiler then keeps a head's sums in registers), else read at run time. */
-#define ATTEND_ROW(NAME, T, LOAD, LANES_OF)                                                                      \
+/* One row's attention, head after head. `head_dim` is a constant where the caller passes one (64: the
+ * compiler then keeps a head's query and output sums in registers), else read at run time. */
+#define MOST_PAIRS (256 / (2 * LANES)) /* in registers: up to 256 numbers of a head; any beyond, one at a time */
+#define ATTEND_ROW(NAME, T, LOAD, KIND)                                                                          \
     static inline __attribute__((always_inline)) void NAME(                                                      \
         const float *q, int64_t head_stride, const T *k, const T *v, const int32_t *table, int64_t n,            \
         int64_t heads, int64_t head_dim, int64_t block, float scale, float *logits, int64_t *where, float *out) { \
         const int64_t stride = heads * head_dim, row_bytes = stride * (int64_t)sizeof(T);                       \
-        const int64_t chunks = head_dim / LANES, vector_end = chunks * LANES;                                   \
+        const int64_t pairs = head_dim < 256 ? head_dim / (2 * LANES) : MOST_PAIRS, vector_end = pairs * 2 * LANES;                           \
         for (int64_t t = 0, b = 0; t < n; ++b) /* each position's row in a plane, block by block */             \
             for (int64_t j = 0, base = (int64_t)table[b] * block; j < block && t < n; ++j, ++t)                \
                 where[t] = (base + j) * stride;                                                                \
         const int64_t span = (n + LANES - 1) / LANES * LANES; /* a head's scores, padded to whole vectors */   \
-        floats top[heads]; /* each head's highest score so far, lane by lane */                                \
-        for (int64_t h = 0; h < heads; ++h) top[h] = (floats){0} - INFINITY;                                   \
-        floats part[heads][LANES];                                                                             \
-        float tail[heads][LANES];                                                                              \
-        for (int64_t t0 = 0; t0 < n; t0 += LANES) { /* scores, LANES positions at a time */                     \
-            const int64_t m = n - t0 < LANES ? n - t0 : LANES;                                                 \
-            for (int64_t p = 0; p < LANES; ++p) { /* each position's row once, every head */                    \
-                const int64_t t = t0 + p;                                                                      \
-                if (AHEAD && t + AHEAD < n) prefetch_row(k + where[t + AHEAD], row_bytes);                     \
-                for (int64_t h = 0; h < heads; ++h) {                                                          \
-                    floats sum = {0};                                                                          \
+        for (int64_t h = 0; h < heads; ++h) {                                                                  \
+            const float *qh = q + h * head_stride;                                                             \
+            float *row = logits + h * span;                                                                    \
+            floats query[MOST_PAIRS][2], top = (floats){0} - INFINITY; /* the highest score, lane by lane */   \
+            for (int64_t c = 0; c < pairs; ++c) split_##KIND(qh + c * 2 * LANES, &query[c][0], &query[c][1]);  \
+            for (int64_t t0 = 0; t0 < n; t0 += LANES) { /* scores, LANES positions at a time */                 \
+                const int64_t m = n - t0 < LANES ? n - t0 : LANES;                                             \
+                floats part[LANES];                                                                            \
+                float tail[LANES];                                                                             \
+                for (int64_t p = 0; p < LANES; ++p) {                                                          \
+                    const int64_t t = t0 + p;                                                                  \
+                    floats sum = {0}, first, second;                                                           \
                     float rest = 0.f;                                                                          \
                     if (p < m) {                                                                               \
-                        const float *qh = q + h * head_stride;                                                 \
+                        if (AHEAD && h == 0 && t + AHEAD < n) prefetch_row(k + where[t + AHEAD], row_bytes);    \
                         const T *kh = k + where[t] + h * head_dim;                                             \
-                        for (int64_t d = 0; d < vector_end; d += LANES) sum += lanes_fp32(qh + d) * LANES_OF(kh + d); \
+                        for (int64_t c = 0; c < pairs; ++c) {                                                  \
+                            pair_##KIND(kh + c * 2 * LANES, &first, &second);                                  \
+                            sum += query[c][0] * first + query[c][1] * second;                                 \
+                        }                                                                                      \
                         for (int64_t d = vector_end; d < head_dim; ++d) rest += qh[d] * LOAD(kh[d]);           \
                     }                                                                                          \
-                    part[h][p] = sum;                                                                          \
-                    tail[h][p] = rest;                                                                         \
+                    part[p] = sum;                                                                             \
+                    tail[p] = rest;                                                                            \
                 }                                                                                              \
-            }                                                                                                  \
-            const ints past_end = LANE_INDEX >= (int32_t)m; /* positions beyond the row: score -inf, weight 0 */ \
-            for (int64_t h = 0; h < heads; ++h) {                                                              \
-                floats score = (sum_lanes(part[h]) + lanes_fp32(tail[h])) * scale;                             \
+                const ints past_end = LANE_INDEX >= (int32_t)m; /* beyond the row: score -inf, weight 0 */      \
+                floats score = (sum_lanes(part) + lanes_fp32(tail)) * scale;                                   \
                 score = (floats)(((ints)score & ~past_end) | ((ints)((floats){0} - INFINITY) & past_end));     \
-                memcpy(logits + h * span + t0, &score, sizeof score);                                          \
-                top[h] = (floats)(((ints)top[h] & (ints)(top[h] >= score)) | ((ints)score & (ints)(top[h] < score))); \
+                memcpy(row + t0, &score, sizeof score);                                                        \
+                top = (floats)(((ints)top & (ints)(top >= score)) | ((ints)score & (ints)(top < score)));      \
             }                                                                                                  \
-        }                                                                                                      \
-        for (int64_t h = 0; h < heads; ++h) { /* softmax: e^(score - highest), then divided by their sum */    \
-            float *row = logits + h * span, highest = -INFINITY;                                               \
-            for (int p = 0; p < LANES; ++p) highest = top[h][p] > highest ? top[h][p] : highest;               \
+            float highest = -INFINITY; /* softmax: e^(score - highest), then divided by their sum */           \
+            for (int p = 0; p < LANES; ++p) highest = top[p] > highest ? top[p] : highest;                     \
             floats total = {0};                                                                                \
             for (int64_t t0 = 0; t0 < span; t0 += LANES) {                                                     \
                 const floats e = exp_lanes(lanes_fp32(row + t0) - highest);                                    \
@@ -208,31 +252,28 @@ static inline void prefetch_row(const void *row, int64_t bytes) {
             }                                                                                                  \
             float sum = 0.f;                                                                                   \
             for (int p = 0; p < LANES; ++p) sum += total[p];                                                   \
-            const floats inverse = (floats){0} + 1.f / sum;                                                    \
-            for (int64_t t0 = 0; t0 < span; t0 += LANES) {                                                     \
-                const floats weight = lanes_fp32(row + t0) * inverse;                                          \
-                memcpy(row + t0, &weight, sizeof weight);                                                      \
-            }                                                                                                  \
-        }                                                                                                      \
-        memset(out, 0, (size_t)stride * sizeof(float));                                                        \
-        for (int64_t t = 0; t < n; ++t) { /* the values, weighted: each position's row once, every head */      \
-            const T *values = v + where[t];                                                                    \
-            if (AHEAD && t + AHEAD < n) prefetch_row(v + where[t + AHEAD], row_bytes);                         \
-            for (int64_t h = 0; h < heads; ++h) {                                                              \
-                const float weight = logits[h * span + t];                                                        \
-                float *o = out + h * head_dim;                                                                 \
-                const T *vh = values + h * head_dim;                                                              \
-                for (int64_t d = 0; d < vector_end; d += LANES) {                                              \
-                    floats sum = lanes_fp32(o + d) + weight * LANES_OF(vh + d);                                \
-                    memcpy(o + d, &sum, sizeof sum);                                                           \
+            const float inverse = 1.f / sum;                                                                   \
+            floats output[MOST_PAIRS][2], first, second; /* the values, weighted */                            \
+            for (int64_t c = 0; c < pairs; ++c) output[c][0] = output[c][1] = (floats){0};                     \
+            float *o = out + h * head_dim;                                                                     \
+            for (int64_t d = vector_end; d < head_dim; ++d) o[d] = 0.f;                                        \
+            for (int64_t t = 0; t < n; ++t) {                                                                  \
+                const float weight = row[t] * inverse;                                                         \
+                const T *vh = v + where[t] + h * head_dim;                                                     \
+                if (AHEAD && h == 0 && t + AHEAD < n) prefetch_row(v + where[t + AHEAD], row_bytes);           \
+                for (int64_t c = 0; c < pairs; ++c) {                                                          \
+                    pair_##KIND(vh + c * 2 * LANES, &first, &second);                                          \
+                    output[c][0] += weight * first;                                                            \
+                    output[c][1] += weight * second;                                                           \
                 }                                                                                              \
                 for (int64_t d = vector_end; d < head_dim; ++d) o[d] += weight * LOAD(vh[d]);                  \
             }                                                                                                  \
+            for (int64_t c = 0; c < pairs; ++c) join_##KIND(o + c * 2 * LANES, output[c][0], output[c][1]);   \
         }                                                                                                      \
     }
 
-#define PAGED_DECODE(NAME, T, LOAD, LANES_OF, STORE)                                                             \
-    ATTEND_ROW(NAME##_row, T, LOAD, LANES_OF)                                                                    \
+#define PAGED_DECODE(NAME, T, LOAD, KIND, STORE)                                                             \
+    ATTEND_ROW(NAME##_row, T, LOAD, KIND)                                                                    \
     void NAME(const float *q, const float *k_new, const float *v_new, int64_t token_stride,                     \
               int64_t head_stride, const int64_t *slots, T *k, T *v, const int32_t *tables, int64_t width,      \
               const int32_t *lens, int64_t rows, int64_t heads, int64_t head_dim, int64_t block,                \
@@ -260,5 +301,5 @@ static inline void prefetch_row(const void *row, int64_t bytes) {
         }                                                                                                       \
     }
 
-PAGED_DECODE(paged_decode_fp32, float, from_fp32, lanes_fp32, to_fp32)
-PAGED_DECODE(paged_decode_bf16, uint16_t, from_bf16, lanes_bf16, to_bf16)
+PAGED_DECODE(paged_decode_fp32, float, from_fp32, fp32, to_fp32)
+PAGED_DECODE(paged_decode_bf16, uint16_t, from_bf16, bf16, to_bf16)
