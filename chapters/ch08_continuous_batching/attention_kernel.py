@@ -1,8 +1,9 @@
-"""The ``kernel`` backend: decode rows through this chapter's own C kernel, ``paged_decode.c``, beside this file.
+"""The ``kernel`` backend: every token of a step through this chapter's own C kernel, ``paged_decode.c``, beside this file.
 
-One call per layer for all decode rows: it writes their new keys and values into their slots and
-attends, reading the pool in place, each row's softmax computed over the whole row at once (no mask
-object, no library call per block). Built once per machine with the system's C compiler and loaded
+One call per layer for all the step's tokens, each a row: a decode row, or a prompt chunk's token,
+which attends up to its own position as a decode row does. It writes their new keys and values into
+their slots, then attends, reading the pool in place, each row's softmax computed over the whole row
+at once (no mask object, no copy of a chunk's cached past, no library call per block). Built once per machine with the system's C compiler and loaded
 with ctypes (which lets go of the GIL while it runs); where no compiler is found it is unavailable,
 with the reason. CPU, fp32 or bf16 caches.
 """
@@ -10,6 +11,7 @@ with the reason. CPU, fp32 or bf16 caches.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import math
@@ -24,6 +26,7 @@ from torch import Tensor
 from chapters.ch08_continuous_batching.paged_attention import DecodeAttend, PackedInputs, PagedAttention, block_table_tensor
 from chapters.ch08_continuous_batching.paged_cache import PagedKVStore
 from chapters.ch08_continuous_batching.startup_cache import cache_dir, cpu_flags
+from shared.model import Attend
 
 KERNEL_SOURCE = Path(__file__).with_name("paged_decode.c")
 KERNEL_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC")
@@ -81,12 +84,13 @@ def scores_scratch(heads: int, longest: int) -> Tensor:
 
 
 class KernelAttention(PagedAttention):
-    """Decode rows through ``paged_decode.c``, reading the pool in place.
+    """Every token of a step through ``paged_decode.c``, reading the pool in place.
 
-    Each step, :meth:`bind_decodes` makes the decode rows' block tables one int32 tensor (rows,
-    widest), offset to the pool's first block, and their context lengths; each layer then makes ONE
-    kernel call for every decode row, reading the queries, keys and values where the model computed
-    them and writing the output where the model's next linear layer reads it (no copy on either side).
+    Each step, :meth:`bind` makes every token a row and :meth:`bind_decodes` makes the rows' block
+    tables one int32 tensor (rows, widest), offset to the pool's first block, and their context
+    lengths; each layer then makes ONE kernel call for every row, reading the queries, keys and values
+    where the model computed them and writing the output where the model's next linear layer reads it
+    (no copy on either side).
     """
 
     name = "kernel"
@@ -106,6 +110,16 @@ class KernelAttention(PagedAttention):
         except KernelUnavailable as error:
             return str(error)
         return None
+
+    def bind(self, inputs: PackedInputs) -> Attend:
+        """The step with every token a row of one: a chunk's token at position ``p`` attends to positions
+        ``0 .. p`` of its sequence, as a decode row does (the kernel writes every row's key and value before
+        any row reads), so the rows of a chunk share its block table, and no row needs a mask or a copy."""
+        counts = [end - start for start, end in zip(inputs.query_start, inputs.query_start[1:])]
+        return super().bind(dataclasses.replace(
+            inputs, query_start=list(range(sum(counts) + 1)), num_decodes=sum(counts),
+            context_lens=[p for context, n in zip(inputs.context_lens, counts) for p in range(context - n + 1, context + 1)],
+            block_tables=[table for table, n in zip(inputs.block_tables, counts) for _ in range(n)]))
 
     def empty_output(self, q: Tensor) -> Tensor:
         # fp32, (1, N, H, D) in memory, returned as (1, H, N, D): the caller's transpose back is free.

@@ -11,16 +11,16 @@ nano-vllm's ``Context``), and for each layer:
    the slot mapping: a scatter, one row per token);
 2. **attends**: each query reads its own sequence's keys and values through the block table.
 
-Prompt chunks are attended here, the same way under every backend: a first chunk attends to its
-own new keys (no copy), a later chunk copies its history's blocks out of the pool (their cost is
-the linear layers', not this copy). The DECODE rows (one query each, most of a step) are where the
-backends differ, one module each (``--attention``), each tested token-exact against the oracle:
+Prompt chunks are attended here: a first chunk attends to its own new keys (no copy), a later
+chunk copies its history's blocks out of the pool (SDPA with a mask). The DECODE rows (one query
+each, most of a step) are where the backends differ, one module each (``--attention``), each tested
+token-exact against the oracle:
 
 - :mod:`~chapters.ch08_continuous_batching.attention_gather` (``gather``): copy the blocks out, SDPA;
 - :mod:`~chapters.ch08_continuous_batching.attention_flex` (``flex``): compiled ``flex_attention``
   over a ``BlockMask`` built from the block tables, reading the pool in place;
 - :mod:`~chapters.ch08_continuous_batching.attention_kernel` (``kernel``): this chapter's C kernel,
-  ``paged_decode.c``, reading the pool in place.
+  ``paged_decode.c``, reading the pool in place; it takes the prompt chunks' tokens as rows too.
 
 Which one serves by default is measured at start-up (:mod:`~chapters.ch08_continuous_batching.attention_choice`).
 """

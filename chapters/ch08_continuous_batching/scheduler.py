@@ -362,15 +362,8 @@ class ContinuousScheduler:
     def describe(self) -> dict:
         """The scheduler's figures for ``/stats``: its knobs, its queues, the pool's blocks, its counters."""
         m, steps = self.manager, self.stats.steps
-        return {
-            **asdict(self.config),
-            "running": len(self.running),
-            "waiting": len(self.waiting),
-            "blocks_total": m.total_blocks,
-            "blocks_used": m.used_blocks,
-            "blocks_free": m.free_blocks,
-            "block_tokens": m.block_tokens,
-            **asdict(self.stats),
-            "tokens_per_step": round(self.stats.tokens_computed / steps, 3) if steps else None,
-            "prefix_cache": m.describe_prefix_cache(),
-        }
+        return {**asdict(self.config), "running": len(self.running), "waiting": len(self.waiting),
+                "blocks_total": m.total_blocks, "blocks_used": m.used_blocks, "blocks_free": m.free_blocks,
+                "block_tokens": m.block_tokens, **asdict(self.stats),
+                "tokens_per_step": round(self.stats.tokens_computed / steps, 3) if steps else None,
+                "prefix_cache": m.describe_prefix_cache()}
