@@ -13,6 +13,11 @@ they lie. Three questions, each answered in one process with its cases taking tu
   (chapter 8's since; vLLM's CPU backend's with its own kernels), scattered; and 128 in order, what a
   pool that kept each sequence's blocks together would add at that size.
 
+With ``--kv bf16`` (what a core with native bf16 serves) it asks the same on bf16 pools, at the served
+block of 128, scattered, adding a ``shared-prefix-like`` case (4 prompts of 256 tokens, each row one
+of them and 8-64 tokens of its own: rows read the same blocks, which then stay in the core's caches),
+and ``--kernel-of REV`` adds ``paged_decode.c`` as of git revision ``REV`` as a third build.
+
 Four layers' pools are visited in turn with a 32 MB read between two calls (the weights a step reads
 between two attentions), so that no call finds the previous call's rows in the caches, as in a
 served step. The machine's contiguous read rate (a sum over 256 MB) is printed for scale. From the
@@ -20,10 +25,13 @@ repository root, one core, as the servers run:
 
     PYTHONPATH=. taskset -c 0 python benchmarks/studies/kernel_floor/floor_study.py \
         > benchmarks/studies/kernel_floor/results.txt
+    PYTHONPATH=. taskset -c 0 python benchmarks/studies/kernel_floor/floor_study.py --kv bf16 --kernel-of 2b836b4 \
+        > benchmarks/studies/kernel_floor/results-bf16.txt
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import random
 import statistics
@@ -39,6 +47,9 @@ from chapters.ch08_continuous_batching.attention_kernel import KERNEL_ARGUMENTS,
 
 ROWS, HEADS, HEAD_DIM, LAYERS, POOL_TOKENS, ROUNDS, STEPS = 64, 4, 64, 4, 2458 * 16, 9, 5
 WORKLOADS = {"default-like": (20, 155), "mixed-like": (20, 305)}
+SHARED = {"shared-prefix-like": (8, 64)}  # each row: one of 4 prompts of SHARED_TOKENS, then these of its own
+PREFIXES, SHARED_TOKENS = 4, 256
+FUNCTIONS = {torch.float32: "paged_decode_fp32", torch.bfloat16: "paged_decode_bf16"}
 # The build without arithmetic: the same loads, each only added up.
 READS_ONLY = {
     "sum += query[c][0] * first + query[c][1] * second;": "sum += first + second;",
@@ -48,12 +59,12 @@ READS_ONLY = {
 }
 
 
-def build(directory: Path, name: str, source: str):
+def build(directory: Path, name: str, source: str, dtype: torch.dtype = torch.float32):
     path = directory / f"{name}.c"
     path.write_text(source)
     target = directory / f"{name}.so"
     subprocess.run(["cc", *KERNEL_FLAGS, "-o", str(target), str(path), "-lm"], check=True)
-    function = ctypes.CDLL(str(target)).paged_decode_fp32
+    function = getattr(ctypes.CDLL(str(target)), FUNCTIONS[dtype])
     function.argtypes, function.restype = KERNEL_ARGUMENTS, None
     return function
 
@@ -67,27 +78,34 @@ def reads_only_source() -> str:
 
 
 class Case:
-    """64 decode rows over four layers' fp32 pools; each row's blocks scattered or in order."""
+    """64 decode rows over four layers' pools; each row's blocks scattered or in order; with ``shared``
+    tokens, row ``r`` starts with prompt ``r % PREFIXES``'s blocks, as prefix caching shares them."""
 
-    def __init__(self, contexts: tuple[int, int], block: int, scattered: bool, seed: int = 0) -> None:
+    def __init__(self, contexts: tuple[int, int], block: int, scattered: bool, seed: int = 0,
+                 dtype: torch.dtype = torch.float32, shared: int = 0) -> None:
         rng = random.Random(seed)
-        self.lens = [rng.randint(*contexts) for _ in range(ROWS)]
+        self.lens = [shared + rng.randint(*contexts) for _ in range(ROWS)]
         self.block, blocks = block, POOL_TOKENS // block
         self.width = max(-(-n // block) for n in self.lens)
         free = list(range(blocks))
         if scattered:
             rng.shuffle(free)
         self.tables = torch.zeros(ROWS, self.width, dtype=torch.int32)
-        at = 0
+        prefixes = [free[i * shared // block:(i + 1) * shared // block] for i in range(PREFIXES)] if shared else []
+        at = PREFIXES * shared // block
         for row, n in enumerate(self.lens):
             for column in range(-(-n // block)):
+                if column < shared // block:
+                    self.tables[row, column] = prefixes[row % PREFIXES][column]
+                    continue
                 self.tables[row, column] = free[at]
                 at += 1
         self.slots = torch.tensor([int(self.tables[r, (n - 1) // block]) * block + (n - 1) % block for r, n in enumerate(self.lens)])
         generator = torch.Generator().manual_seed(seed)
-        self.layers = [[torch.randn(POOL_TOKENS, HEADS * HEAD_DIM, generator=generator) * 0.5 for _ in range(2)] for _ in range(LAYERS)]
+        self.layers = [[(torch.randn(POOL_TOKENS, HEADS * HEAD_DIM, generator=generator) * 0.5).to(dtype) for _ in range(2)]
+                       for _ in range(LAYERS)]
         self.qkv = torch.randn(ROWS, 3 * HEADS * HEAD_DIM, generator=generator)
-        self.bytes_read = sum(self.lens) * HEADS * HEAD_DIM * 4 * 2  # keys and values, fp32
+        self.bytes_read = sum(self.lens) * HEADS * HEAD_DIM * dtype.itemsize * 2  # keys and values visited
 
 
 def ms_per_layer(kernel, case: Case, sweep: torch.Tensor) -> float:
@@ -105,7 +123,19 @@ def ms_per_layer(kernel, case: Case, sweep: torch.Tensor) -> float:
     return total / (STEPS * LAYERS) * 1e3
 
 
-def main() -> None:
+def source_of(revision: str) -> str:
+    """``paged_decode.c`` as of git ``revision``."""
+    root = KERNEL_SOURCE.parents[2]
+    return subprocess.run(["git", "-C", str(root), "show", f"{revision}:{KERNEL_SOURCE.relative_to(root).as_posix()}"],
+                          capture_output=True, text=True, check=True).stdout
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kv", choices=("fp32", "bf16"), default="fp32", help="the pools' dtype")
+    parser.add_argument("--kernel-of", metavar="REV", help="also time paged_decode.c as of this git revision")
+    args = parser.parse_args(argv)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.kv]
     torch.set_num_threads(1)
     big = torch.randn(64 * 2**20)
     big.sum()
@@ -113,29 +143,37 @@ def main() -> None:
     for _ in range(5):
         big.sum()
     contiguous = big.numel() * 4 * 5 / (time.perf_counter() - started) / 1e9
-    print(f"{cpu_description()}, torch {torch.__version__}, one thread, fp32 pools; median of {ROUNDS} interleaved rounds "
+    print(f"{cpu_description()}, torch {torch.__version__}, one thread, {args.kv} pools; median of {ROUNDS} interleaved rounds "
           f"of {STEPS} steps x {LAYERS} layers; contiguous read (sum of 256 MB): {contiguous:.1f} GB/s")
     sweep = torch.randn(8 * 2**20)  # 32 MB
     with tempfile.TemporaryDirectory() as temporary:
-        kernels = {"kernel": build(Path(temporary), "kernel", KERNEL_SOURCE.read_text()),
-                   "reads only": build(Path(temporary), "reads_only", reads_only_source())}
-        for workload, contexts in WORKLOADS.items():
-            cases = {"blocks of 16, scattered": Case(contexts, 16, True), "blocks of 16, in order": Case(contexts, 16, False),
-                     "blocks of 64, scattered": Case(contexts, 64, True), "blocks of 128, scattered": Case(contexts, 128, True),
-                     "blocks of 128, in order": Case(contexts, 128, False)}
+        kernels = {"kernel": build(Path(temporary), "kernel", KERNEL_SOURCE.read_text(), dtype),
+                   "reads only": build(Path(temporary), "reads_only", reads_only_source(), dtype)}
+        if args.kernel_of:
+            kernels[args.kernel_of] = build(Path(temporary), "before", source_of(args.kernel_of), dtype)
+        workloads = {**WORKLOADS, **SHARED} if dtype == torch.bfloat16 else WORKLOADS
+        for workload, contexts in workloads.items():
+            shared = SHARED_TOKENS if workload in SHARED else 0
+            if dtype == torch.float32:
+                cases = {"blocks of 16, scattered": Case(contexts, 16, True), "blocks of 16, in order": Case(contexts, 16, False),
+                         "blocks of 64, scattered": Case(contexts, 64, True), "blocks of 128, scattered": Case(contexts, 128, True),
+                         "blocks of 128, in order": Case(contexts, 128, False)}
+            else:
+                cases = {"blocks of 128, scattered": Case(contexts, 128, True, dtype=dtype, shared=shared)}
             times: dict[tuple[str, str], list[float]] = {}
             for _ in range(ROUNDS):
                 for case_name, case in cases.items():
                     for kernel_name, kernel in kernels.items():
                         times.setdefault((case_name, kernel_name), []).append(ms_per_layer(kernel, case, sweep))
             first = next(iter(cases.values()))
-            print(f"{workload}: contexts {contexts[0]}-{contexts[1]} (median {statistics.median(first.lens):.0f}), "
-                  f"{first.bytes_read / 2**20:.1f} MiB of keys and values per layer")
-            reference = statistics.median(times["blocks of 16, scattered", "kernel"])
+            print(f"{workload}: contexts {shared + contexts[0]}-{shared + contexts[1]} (median {statistics.median(first.lens):.0f}), "
+                  f"{first.bytes_read / 2**20:.1f} MiB of keys and values visited per layer")
+            reference_name = next(iter(cases))
+            reference = statistics.median(times[reference_name, "kernel"])
             for (case_name, kernel_name), values in times.items():
                 median = statistics.median(values)
                 print(f"  {case_name:24s} {kernel_name:10s} {median:6.3f} ms/layer  {cases[case_name].bytes_read / median / 1e6:5.1f} GB/s"
-                      f"  {median / reference:.2f}x the kernel on blocks of 16, scattered")
+                      f"  {median / reference:.2f}x the kernel on {reference_name}")
 
 
 if __name__ == "__main__":
