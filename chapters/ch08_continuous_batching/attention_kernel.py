@@ -3,9 +3,9 @@
 One call per layer for all the step's tokens, each a row: a decode row, or a prompt chunk's token,
 which attends up to its own position as a decode row does. It writes their new keys and values into
 their slots, then attends, reading the pool in place, each row's softmax computed over the whole row
-at once (no mask object, no copy of a chunk's cached past, no library call per block). Built once per machine with the system's C compiler and loaded
-with ctypes (which lets go of the GIL while it runs); where no compiler is found it is unavailable,
-with the reason. CPU, fp32 or bf16 caches.
+at once (no mask object, no copy of a chunk's cached past, no library call per block). Built once per
+machine with the system's C compiler and loaded with ctypes (which lets go of the GIL while it runs);
+where no compiler is found it is unavailable, with the reason. CPU, fp32 or bf16 caches.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class KernelAttention(PagedAttention):
         return None
 
     def bind(self, inputs: PackedInputs) -> Attend:
-        """The step with every token a row of one: a chunk's token at position ``p`` attends to positions
+        """The step with every token a row of its own: a chunk's token at position ``p`` attends to positions
         ``0 .. p`` of its sequence, as a decode row does (the kernel writes every row's key and value before
         any row reads), so the rows of a chunk share its block table, and no row needs a mask or a copy."""
         counts = [end - start for start, end in zip(inputs.query_start, inputs.query_start[1:])]

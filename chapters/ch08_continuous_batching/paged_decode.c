@@ -206,7 +206,8 @@ static inline void prefetch_row(const void *row, int64_t bytes) {
         const float *q, int64_t head_stride, const T *k, const T *v, const int32_t *table, int64_t n,            \
         int64_t heads, int64_t head_dim, int64_t block, float scale, float *logits, int64_t *where, float *out) { \
         const int64_t stride = heads * head_dim, row_bytes = stride * (int64_t)sizeof(T);                       \
-        const int64_t pairs = head_dim < 256 ? head_dim / (2 * LANES) : MOST_PAIRS, vector_end = pairs * 2 * LANES;                           \
+        const int64_t pairs = head_dim < 256 ? head_dim / (2 * LANES) : MOST_PAIRS;                             \
+        const int64_t vector_end = pairs * 2 * LANES;                                                          \
         for (int64_t t = 0, b = 0; t < n; ++b) /* each position's row in a plane, block by block */             \
             for (int64_t j = 0, base = (int64_t)table[b] * block; j < block && t < n; ++j, ++t)                \
                 where[t] = (base + j) * stride;                                                                \
