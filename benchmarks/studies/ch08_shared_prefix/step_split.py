@@ -51,12 +51,16 @@ GELUS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+def kernel_source_at(revision: str) -> str:
+    """``paged_decode.c`` as of git ``revision``."""
+    root = KERNEL_SOURCE.parents[2]  # the repository's
+    return subprocess.run(["git", "-C", str(root), "show", f"{revision}:{KERNEL_SOURCE.relative_to(root).as_posix()}"],
+                          capture_output=True, text=True, check=True).stdout
+
+
 def kernel_of(revision: str, dtype: torch.dtype, directory: str) -> Callable:
     """``paged_decode.c`` as of git ``revision``, built with the chapter's flags: its function for ``dtype``."""
-    root = KERNEL_SOURCE.parents[2]  # the repository's
-    source = subprocess.run(["git", "-C", str(root), "show", f"{revision}:{KERNEL_SOURCE.relative_to(root).as_posix()}"],
-                            capture_output=True, text=True, check=True).stdout
-    (Path(directory) / "kernel.c").write_text(source)
+    (Path(directory) / "kernel.c").write_text(kernel_source_at(revision))
     subprocess.run(["cc", *KERNEL_FLAGS, "-o", f"{directory}/kernel.so", f"{directory}/kernel.c", "-lm"], check=True,
                    capture_output=True)
     function = getattr(ctypes.CDLL(f"{directory}/kernel.so"), KERNEL_FUNCTIONS[dtype])

@@ -43,13 +43,14 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness.environment import cpu_description
-from chapters.ch08_continuous_batching.attention_kernel import KERNEL_ARGUMENTS, KERNEL_FLAGS, KERNEL_SOURCE, scores_scratch
+from benchmarks.studies.ch08_shared_prefix.step_split import kernel_source_at
+from chapters.ch08_continuous_batching.attention_kernel import (KERNEL_ARGUMENTS, KERNEL_FLAGS, KERNEL_FUNCTIONS, KERNEL_SOURCE,
+                                                                 scores_scratch)
 
 ROWS, HEADS, HEAD_DIM, LAYERS, POOL_TOKENS, ROUNDS, STEPS = 64, 4, 64, 4, 2458 * 16, 9, 5
 WORKLOADS = {"default-like": (20, 155), "mixed-like": (20, 305)}
 SHARED = {"shared-prefix-like": (8, 64)}  # each row: one of 4 prompts of SHARED_TOKENS, then these of its own
 PREFIXES, SHARED_TOKENS = 4, 256
-FUNCTIONS = {torch.float32: "paged_decode_fp32", torch.bfloat16: "paged_decode_bf16"}
 # The build without arithmetic: the same loads, each only added up.
 READS_ONLY = {
     "sum += query[c][0] * first + query[c][1] * second;": "sum += first + second;",
@@ -64,7 +65,7 @@ def build(directory: Path, name: str, source: str, dtype: torch.dtype = torch.fl
     path.write_text(source)
     target = directory / f"{name}.so"
     subprocess.run(["cc", *KERNEL_FLAGS, "-o", str(target), str(path), "-lm"], check=True)
-    function = getattr(ctypes.CDLL(str(target)), FUNCTIONS[dtype])
+    function = getattr(ctypes.CDLL(str(target)), KERNEL_FUNCTIONS[dtype])
     function.argtypes, function.restype = KERNEL_ARGUMENTS, None
     return function
 
@@ -123,13 +124,6 @@ def ms_per_layer(kernel, case: Case, sweep: torch.Tensor) -> float:
     return total / (STEPS * LAYERS) * 1e3
 
 
-def source_of(revision: str) -> str:
-    """``paged_decode.c`` as of git ``revision``."""
-    root = KERNEL_SOURCE.parents[2]
-    return subprocess.run(["git", "-C", str(root), "show", f"{revision}:{KERNEL_SOURCE.relative_to(root).as_posix()}"],
-                          capture_output=True, text=True, check=True).stdout
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kv", choices=("fp32", "bf16"), default="fp32", help="the pools' dtype")
@@ -150,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
         kernels = {"kernel": build(Path(temporary), "kernel", KERNEL_SOURCE.read_text(), dtype),
                    "reads only": build(Path(temporary), "reads_only", reads_only_source(), dtype)}
         if args.kernel_of:
-            kernels[args.kernel_of] = build(Path(temporary), "before", source_of(args.kernel_of), dtype)
+            kernels[args.kernel_of] = build(Path(temporary), "before", kernel_source_at(args.kernel_of), dtype)
         workloads = {**WORKLOADS, **SHARED} if dtype == torch.bfloat16 else WORKLOADS
         for workload, contexts in workloads.items():
             shared = SHARED_TOKENS if workload in SHARED else 0
