@@ -23,6 +23,7 @@ import torch
 from chapters.ch03_dynamic_batching.batched_generation import generate_batch
 from chapters.ch04_memory_pool.memory_pool import BatchCacheLease, KVMemoryPool
 from benchmarks.harness import tradeoffs
+from chapters.ch05_inference_engine import bf16_matmul
 from chapters.ch05_inference_engine.bf16_matmul import ROW_BUCKET, Bf16MatmulLinear, Bf16MLP, bf16_rows, crossover_from_timings, linear_gelu_bf16
 from chapters.ch05_inference_engine.engine import ENGINES, PRECISIONS, Engine, EngineUnavailable
 from chapters.ch05_inference_engine.engines import build_engine, pick, unavailable_reason
@@ -290,15 +291,16 @@ def test_bf16_products_see_only_bucketed_row_counts_and_give_each_row_what_an_un
     linear = torch.nn.Linear(64, 96)
     mixed = Bf16MatmulLinear(linear, min_rows=1)
     seen: set[int] = set()
-    real_linear = torch.nn.functional.linear
+    real_linear = bf16_matmul.linear_bf16
 
     def recording_linear(x, weight, bias=None):  # noqa: ANN001, ANN202
         seen.add(x.numel() // x.shape[-1])
         return real_linear(x, weight, bias)
 
     inputs = {rows: torch.randn(1, rows, 64) for rows in range(1, 200)}
-    expected = {rows: real_linear(x.bfloat16(), linear.weight.bfloat16(), linear.bias.bfloat16()).float() for rows, x in inputs.items()}
-    monkeypatch.setattr(torch.nn.functional, "linear", recording_linear)
+    expected = {rows: torch.nn.functional.linear(x.bfloat16(), linear.weight.bfloat16(), linear.bias.bfloat16()).float()
+                for rows, x in inputs.items()}
+    monkeypatch.setattr(bf16_matmul, "linear_bf16", recording_linear)
     with torch.no_grad():
         for rows, x in inputs.items():
             out = mixed(x)
@@ -403,3 +405,17 @@ def test_the_trade_off_table_names_the_rows_the_rule_picks() -> None:
     assert tradeoffs.fastest_within_tolerance(rows, "cpu")["engine"] == "eager"
 
 
+
+
+def test_bf16_weights_are_laid_out_once_for_onednn_and_a_deep_copy_lays_out_its_own() -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96)
+    mixed, x = Bf16MatmulLinear(linear, min_rows=1), torch.randn(3, 20, 64)
+    if bf16_matmul._onednn_linear() is not None:
+        assert mixed.weight_bf16.is_mkldnn  # the product reads it as it is: no reorder per call
+    clone = copy.deepcopy(mixed)
+    with torch.no_grad():
+        plain = torch.nn.functional.linear(x.bfloat16(), linear.weight.bfloat16(), linear.bias.bfloat16()).float()
+        assert torch.equal(mixed(x), plain) and torch.equal(clone(x), plain)  # the layout changes no bit
+        linear.weight.add_(1.0)
+        assert torch.equal(clone(x), plain)  # the copy's weights are its own

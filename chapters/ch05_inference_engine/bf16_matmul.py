@@ -5,11 +5,13 @@ has a fixed cost; for a few rows (a decode step at batch 1) fp32 is faster. So e
 layers measure, once at start-up, where bf16 starts to win, and use it from there on. Everything
 else (LayerNorm, softmax, attention, the KV cache) stays fp32, except inside the MLP: there the
 4x-wide activation between the two products stays bf16, and GELU is fused into the first product
-(:class:`Bf16MLP`).
+(:class:`Bf16MLP`). The bf16 weights are kept in the blocked layout oneDNN's kernel reads
+(:func:`onednn_layout`), so no product rearranges them again.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from functools import partial
 from pathlib import Path
@@ -42,8 +44,17 @@ class Bf16MatmulLinear(nn.Module):
         self.in_features, self.out_features, self.min_rows = linear.in_features, linear.out_features, min_rows
         self.weight = nn.Parameter(linear.weight.detach().float(), requires_grad=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
-        self.register_buffer("weight_bf16", self.weight.detach().to(torch.bfloat16))
+        # not a buffer: oneDNN's layout is an opaque tensor that cannot be moved, saved or deep-copied
+        self.weight_bf16 = onednn_layout(self.weight.detach().to(torch.bfloat16))
         self.register_buffer("bias_bf16", None if self.bias is None else self.bias.detach().to(torch.bfloat16))
+
+    def __deepcopy__(self, memo: dict) -> Bf16MatmulLinear:
+        """A copy that lays out its own bf16 weights (oneDNN's opaque copy has no storage to copy)."""
+        clone = type(self).__new__(type(self))
+        memo[id(self)] = clone
+        clone.__dict__.update({name: copy.deepcopy(value, memo) for name, value in self.__dict__.items() if name != "weight_bf16"})
+        clone.weight_bf16 = onednn_layout(clone.weight.detach().to(torch.bfloat16))
+        return clone
 
     def forward(self, x: Tensor) -> Tensor:
         # EXERCISE ch05.3 BEGIN "bf16 from min_rows rows, exact fp32 below"
@@ -75,13 +86,39 @@ class Bf16MLP(nn.Module):
         if x.numel() < self.c_fc.min_rows * self.c_fc.in_features:
             return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
         hidden = linear_gelu_bf16(bf16_rows(x), self.c_fc.weight_bf16, self.c_fc.bias_bf16)
-        return _unpadded(F.linear(hidden, self.c_proj.weight_bf16, self.c_proj.bias_bf16), x)
+        return _unpadded(linear_bf16(hidden, self.c_proj.weight_bf16, self.c_proj.bias_bf16), x)
+
+
+def _onednn_linear():
+    """oneDNN's product with a fused element-wise op (``mkldnn._linear_pointwise``: private, so looked up), or None."""
+    return getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+
+
+def onednn_layout(weight: Tensor) -> Tensor:
+    """``weight`` (out, in), bf16, rearranged once into the blocked layout oneDNN's product kernel reads.
+
+    Given a plain weight, every product first copies it into that layout (a reorder), which on a
+    decode step's few rows is a large part of the call. Laid out once here, as TorchInductor does with
+    frozen weights, each product reads it as it is; the result is the same to the bit. Where this torch
+    lacks oneDNN's ops the plain weight is returned, and :func:`linear_bf16` uses ``F.linear`` on it.
+    """
+    reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
+    if _onednn_linear() is None or reorder is None or weight.device.type != "cpu":
+        return weight
+    return reorder(weight)
+
+
+def linear_bf16(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``x @ weight.T + bias`` for bf16 ``x`` (R, K) and a weight from :func:`onednn_layout` (or a plain one), in bf16."""
+    if weight.is_mkldnn:  # only onednn_layout makes one, where this op exists
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
 
 
 def linear_gelu_bf16(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``tanh-GELU(x @ weight.T + bias)`` for bf16 ``x`` and weights, in bf16: in one oneDNN call where this torch
-    has the fused op (``mkldnn._linear_pointwise``, private, so looked up), else the product, then GELU."""
-    fused = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+    """``tanh-GELU(x @ weight.T + bias)`` for bf16 ``x`` and weights (plain or :func:`onednn_layout`'s), in bf16:
+    in one oneDNN call where this torch has the fused op, else the product, then GELU."""
+    fused = _onednn_linear()
     if fused is not None and x.device.type == "cpu":
         return fused(x, weight, bias, "gelu", [], "tanh")
     return F.gelu(F.linear(x, weight, bias), approximate="tanh")
@@ -113,7 +150,7 @@ def bf16_crossover_rows(
     """
     weight = linear.weight.detach().float()
     bias = None if linear.bias is None else linear.bias.detach().float()
-    weight16, bias16 = weight.to(torch.bfloat16), None if bias is None else bias.to(torch.bfloat16)
+    weight16, bias16 = onednn_layout(weight.to(torch.bfloat16)), None if bias is None else bias.to(torch.bfloat16)
     timings: dict[int, tuple[float, float]] = {}
     with torch.no_grad():
         for rows in candidates:
@@ -140,7 +177,7 @@ def crossover_from_timings(timings: dict[int, tuple[float, float]]) -> int | Non
 
 
 def _bf16_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    return _unpadded(F.linear(bf16_rows(x), weight, bias), x)
+    return _unpadded(linear_bf16(bf16_rows(x), weight, bias), x)
 
 
 def bf16_rows(x: Tensor) -> Tensor:
