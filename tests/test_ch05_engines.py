@@ -419,3 +419,17 @@ def test_bf16_weights_are_laid_out_once_for_onednn_and_a_deep_copy_lays_out_its_
         assert torch.equal(mixed(x), plain) and torch.equal(clone(x), plain)  # the layout changes no bit
         linear.weight.add_(1.0)
         assert torch.equal(clone(x), plain)  # the copy's weights are its own
+
+
+def test_a_cpu_where_onednn_refuses_bf16_keeps_the_plain_weights_and_still_multiplies(monkeypatch) -> None:
+    def refuse(weight):  # noqa: ANN001, ANN202 - what torch raises on a CPU without AVX-512 or AVX-NE-CONVERT
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96)
+    mixed, x = Bf16MatmulLinear(linear, min_rows=1), torch.randn(2, 16, 64)
+    assert not mixed.weight_bf16.is_mkldnn
+    with torch.no_grad():
+        plain = torch.nn.functional.linear(x.bfloat16(), linear.weight.bfloat16(), linear.bias.bfloat16()).float()
+        assert torch.equal(mixed(x), plain)

@@ -100,12 +100,16 @@ def onednn_layout(weight: Tensor) -> Tensor:
     Given a plain weight, every product first copies it into that layout (a reorder), which on a
     decode step's few rows is a large part of the call. Laid out once here, as TorchInductor does with
     frozen weights, each product reads it as it is; the result is the same to the bit. Where this torch
-    lacks oneDNN's ops the plain weight is returned, and :func:`linear_bf16` uses ``F.linear`` on it.
+    lacks oneDNN's ops, or oneDNN refuses bf16 on this CPU (it asks for AVX-512 or AVX-NE-CONVERT: an
+    AVX2 laptop has neither), the plain weight is returned, and :func:`linear_bf16` uses ``F.linear``.
     """
     reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
     if _onednn_linear() is None or reorder is None or weight.device.type != "cpu":
         return weight
-    return reorder(weight)
+    try:
+        return reorder(weight)
+    except RuntimeError:
+        return weight
 
 
 def linear_bf16(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
