@@ -274,7 +274,7 @@ NOTEBOOKS = {
         "Replicas of chapter 8's server behind Serve's proxy, with the project's contract kept at the edge "
         "(one replay of a request whose replica died before answering, the contract's error otherwise). Here: "
         "what a client sees when a replica is killed under load, how autoscaling follows a step of load, one "
-        "replica against two under each router, and a simulation of 1 to 64 replicas.",
+        "replica against two under each router, what Serve's path costs an answer, and a simulation of 1 to 64 replicas.",
         [
             ("## The failure drill\n\n`python -m benchmarks.studies.scale_out_timeline.scale_out_timeline drill`: two replicas, eight "
              "closed-loop clients (every other request a stream), one replica's process SIGKILLed at 0 s. Top: "
@@ -295,6 +295,12 @@ NOTEBOOKS = {
              "alone, one replica behind Serve's proxy, two replicas under Serve's `pow2` and under `least-tokens`, "
              "on the `mixed` workload; medians of the rounds.",
              'show(lambda: plots.plot_replicas_and_routers(plots.load_scale_out(RESULTS_DIR, "replicas-and-routers.json")))'),
+            ("## What Serve's path costs an answer\n\nThe serve-path comparisons (`scale_out_compare`, chapter 9's RESULTS.md): "
+             "chapter 8 alone, one replica behind Serve's proxy, the same replica with no Python proxy (direct ingress, a "
+             "trial), and both sides with each answer in runs of 64 tokens (about two messages an answer). Each bar is a "
+             "configuration's CPU per answer, by process; above it, against chapter 8 alone written in the same runs.",
+             'show(lambda: plots.plot_serve_path_costs({workload: plots.load_scale_out(RESULTS_DIR, f"serve-path-{workload}.json")\n'
+             '                                          for workload in ("default", "mixed")}))'),
             ("## 1 to 64 replicas, simulated\n\n`python -m benchmarks.studies.scale_out_simulation.sweep`: chapter 8's scheduler "
              "with step times measured from its engine, as replicas behind each router, under Poisson arrivals at 85 % "
              "and 95 % of what the replicas can serve (the `mixed` workload). What it assumes is listed in the file and "
@@ -311,6 +317,9 @@ NOTEBOOKS = {
         "serves only once started, while the step's P99 has already risen.\n"
         "- On two cores, a second replica shares the cores with the first, the proxy and the clients: "
         "compare the routers with each other, and Serve's proxy with chapter 8 alone.\n"
+        "- Serve's path costs CPU per streamed message and per request, in the proxy and in the replica: runs of 64 "
+        "take the messages away, and what is left beside chapter 8 alone is per request. It is of the size of this "
+        "small model's own work per answer, which is why one replica keeps well under chapter 8 alone here.\n"
         "- In the simulation, past the knee (95 %) more replicas help only with a router that looks at load: "
         "`random` keeps each replica a queue of its own, while `pow2` and the token counters bring the first "
         "token's P99 down as replicas are added.",

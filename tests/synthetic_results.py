@@ -528,17 +528,20 @@ def synthetic_scale_out_timeline(scenario: str, replicas: int = 2, clients: int 
     return asdict(timeline)
 
 
-def synthetic_replicas_and_routers() -> dict:
+def synthetic_replicas_and_routers(workload: str = "mixed") -> dict:
     """``benchmarks.studies.replicas_and_routers.scale_out_compare``'s document with every configuration and plausible medians."""
-    from benchmarks.studies.replicas_and_routers.scale_out_compare import CONFIGS, KIND, SCHEMA
+    from benchmarks.studies.replicas_and_routers.scale_out_compare import CH08, CONFIGS, KIND, SCHEMA
 
     configs = {}
     for index, (label, (module, flags, _env)) in enumerate(CONFIGS.items()):
+        cores = {"server": 0.95} if module == CH08 else {"replicas": 0.9, "Serve's proxy": 0.3, "Ray's other processes": 0.06,
+                                                         "Serve's controller": 0.03, "server": 0.0}
         median = {"qps": 6.0 + index, "output_tokens_per_s": 400.0 + 30 * index, "ttft_ms_p50": 150.0, "ttft_ms_p99": 900.0,
-                  "e2e_ms_p50": 3000.0 - 100 * index, "e2e_ms_p99": 9000.0 - 300 * index, "client_cores_busy": 0.2}
+                  "e2e_ms_p50": 3000.0 - 100 * index, "e2e_ms_p99": 9000.0 - 300 * index, "client_cores_busy": 0.2,
+                  "server_cores_busy": cores}
         configs[label] = {"module": module, "flags": flags, "runs": [], "median": median}
     return {"kind": KIND, "schema": SCHEMA, "started_at": "2026-01-01T00:00:00+00:00", "command": "synthetic",
-            "git_commit": None, "git_dirty": False, "workload": "mixed", "users": 32, "duration_s": 20.0, "rounds": 2,
+            "git_commit": None, "git_dirty": False, "workload": workload, "users": 32, "duration_s": 20.0, "rounds": 2,
             "server_args": "--torch-threads 1", "python": "3", "platform": "synthetic", "configs": configs}
 
 
@@ -570,8 +573,11 @@ def write_synthetic_production_and_streaming(directory: Path) -> list[Path]:
     documents = {Path("ch07") / "drain-timeline.json": synthetic_drain_timeline()}
     documents[Path("ch09") / "failure-drill.json"] = synthetic_scale_out_timeline("drill")
     documents[Path("ch09") / "failure-drill-chapter-defaults.json"] = synthetic_scale_out_timeline("drill", back_s=14.0)
+    documents[Path("ch09") / "failure-drill-spare-1.json"] = synthetic_scale_out_timeline("drill", replicas=3, back_s=10.0)
     documents[Path("ch09") / "autoscale-timeline.json"] = synthetic_scale_out_timeline("autoscale")
     documents[Path("ch09") / "replicas-and-routers.json"] = synthetic_replicas_and_routers()
+    for workload in ("default", "mixed"):
+        documents[Path("ch09") / f"serve-path-{workload}.json"] = synthetic_replicas_and_routers(workload)
     documents[Path("ch09") / "simulation.json"] = synthetic_simulation()
     documents.update({Path("ch07") / f"leak-{lesson}.json": synthetic_leak_report(lesson) for lesson in ("leaky", "fixed")})
     documents.update({Path("streaming") / f"{w}.json": synthetic_streaming_comparison(w) for w in ("mixed", "default")})

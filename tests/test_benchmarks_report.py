@@ -409,6 +409,30 @@ def test_the_stream_interval_block_shows_each_setting_against_chapter_6_with_its
     assert "`compare round 0`" in text
 
 
+def test_the_serve_path_cost_block_divides_each_processes_cores_by_the_answers_and_compares_like_runs(tmp_path: Path):
+    from benchmarks.report.scale_out_blocks import serve_path_cost_block
+
+    assert "No comparison yet" in serve_path_cost_block(tmp_path, "default")
+
+    def config(qps: float, tokens_per_s: float, cores: dict) -> dict:
+        return {"median": {"qps": qps, "output_tokens_per_s": tokens_per_s, "server_cores_busy": cores}}
+
+    run = {"configs": {
+        "chapter 8 alone": config(100.0, 3200.0, {"server": 1.0}),
+        "1 replica": config(50.0, 1600.0, {"replicas": 0.9, "Serve's proxy": 0.4, "Serve's controller": 0.05, "Ray's other processes": 0.05, "server": 0.0}),
+        "chapter 8 alone, runs of 64": config(125.0, 4000.0, {"server": 1.0}),
+        "1 replica, runs of 64": config(80.0, 2560.0, {"replicas": 0.96, "Serve's proxy": 0.32, "Ray's other processes": 0.0}),
+    }}
+    (tmp_path / "ch09").mkdir()
+    (tmp_path / "ch09" / "serve-path-default.json").write_text(json.dumps(run))
+    text = serve_path_cost_block(tmp_path, "default")
+    assert "| chapter 8 alone | 32 | 10.0 | 0.0 | 0.0 | 10.0 | 1.00× |" in text
+    # 0.9 / 50 s of a core per answer in the replica, 0.4 / 50 in the proxy, 0.1 / 50 in the rest: 28 ms against 10
+    assert "| 1 replica | 32 | 18.0 | 8.0 | 2.0 | 28.0 | 2.80× |" in text
+    # against chapter 8 alone with the same runs (8 ms), not against the first row
+    assert "| 1 replica, runs of 64 | 32 | 12.0 | 4.0 | 0.0 | 16.0 | 2.00× |" in text
+
+
 def test_the_step_profile_table_names_each_files_block_size_and_older_files_the_default_of_their_day(tmp_path: Path):
     from benchmarks.report.study_blocks import packed_step_profile_block
 

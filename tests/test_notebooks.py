@@ -35,8 +35,9 @@ NO_DATA = "No data for this plot"
 OWN_RECORDINGS = {
     "ch07_production": ("ch07/drain-timeline.json", "ch07/leak-leaky.json", "ch07/leak-fixed.json"),
     "ch08_continuous_batching": ("streaming/mixed.json", "streaming/default.json", "ch08/prefix-caching/shared-prefix.json"),
-    "ch09_scale_out": ("ch09/failure-drill.json", "ch09/failure-drill-chapter-defaults.json", "ch09/autoscale-timeline.json",
-                       "ch09/replicas-and-routers.json", "ch09/simulation.json"),
+    "ch09_scale_out": ("ch09/failure-drill.json", "ch09/failure-drill-chapter-defaults.json", "ch09/failure-drill-spare-1.json",
+                       "ch09/autoscale-timeline.json",
+                       "ch09/replicas-and-routers.json", "ch09/serve-path-default.json", "ch09/simulation.json"),
 }
 
 

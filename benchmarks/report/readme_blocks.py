@@ -38,6 +38,7 @@ from benchmarks.report.scale_out_blocks import (
     ceilings_block,
     drill_block,
     replicas_block,
+    serve_path_cost_block,
     simulation_block,
 )
 from benchmarks.report.streaming_blocks import (
@@ -88,6 +89,8 @@ def render_key(key: str, results: Mapping[str, BenchmarkResult], directory: Path
         return autoscale_block(directory)
     if key == "ch09-replicas":
         return replicas_block(directory)
+    if key.startswith("ch09-serve-path-cost-"):  # ch09-serve-path-cost-mixed: CPU per answer, from serve-path-mixed.json
+        return serve_path_cost_block(directory, key.removeprefix("ch09-serve-path-cost-"))
     if key.startswith("ch09-serve-path-"):  # ch09-serve-path-mixed: serve-path-mixed.json, against its first row (chapter 8 alone)
         return replicas_block(directory, f"{key.removeprefix('ch09-')}.json", against=None)
     if key.startswith("vllm-peer"):  # vllm-peer, vllm-peer-avx512: one folder of files per kind of core

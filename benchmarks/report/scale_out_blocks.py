@@ -102,6 +102,47 @@ def replicas_block(directory: Path, name: str = "replicas-and-routers.json", aga
             f"`{run['server_args']}`; server and client share this machine's cores, unpinned. Reproduce: `{current_command(run['command'])}`.")
 
 
+# the processes where an answer's CPU goes, grouped as scale_out_compare.cpu_by_group names them
+APP_GROUPS = ("server", "replicas")
+SERVE_GROUPS = ("Serve's proxy", "Serve's controller", "Ray's other processes")
+
+
+def answer_costs(run: dict) -> list[dict]:
+    """Per configuration of a serve-path comparison: tokens per answer and core-milliseconds per answer by where they
+    went (``app``: chapter 8 alone's server or the replica; ``proxy``; ``others``: Serve's controller and Ray's other
+    processes), their ``total``, and ``against`` chapter 8 alone written in the same runs (None where there is none)."""
+    out, alone = [], {}  # alone: ", runs of N" (or "") -> chapter 8 alone's total
+    for label, config in run["configs"].items():
+        m = config["median"]
+        per_answer = {group: 1000 * cores / m["qps"] for group, cores in m.get("server_cores_busy", {}).items()}
+        runs = label.partition(",")[2] if "runs of" in label else ""
+        total = sum(per_answer.values())
+        if label.startswith("chapter 8 alone"):
+            alone[runs] = total
+        out.append({"label": label, "tokens": m["output_tokens_per_s"] / m["qps"],
+                    "app": sum(per_answer.get(group, 0.0) for group in APP_GROUPS), "proxy": per_answer.get("Serve's proxy", 0.0),
+                    "others": sum(per_answer.get(group, 0.0) for group in SERVE_GROUPS[1:]), "total": total,
+                    "against": total / alone[runs] if alone.get(runs) else None})
+    return out
+
+
+def serve_path_cost_block(directory: Path, workload: str) -> str:
+    """What an answer costs in CPU on each side of Serve's path (``serve-path-<workload>.json``): each configuration's
+    cores busy over its answers per second, as core-milliseconds per answer, by where they were spent."""
+    path = directory / SCALE_OUT_DIR / f"serve-path-{workload}.json"
+    if not path.exists():
+        return f"*No comparison yet: `python -m benchmarks.studies.replicas_and_routers.scale_out_compare --workload {workload} --out {repo_path(path)}`.*"
+    lines = ["| configuration | tokens per answer | core-ms per answer: the app's process | Serve's proxy | Serve's and Ray's others "
+             "| the server, all | against chapter 8 alone at the same runs |", "|---|---|---|---|---|---|---|"]
+    for cost in answer_costs(json.loads(path.read_text())):
+        against = "—" if cost["against"] is None else f"{cost['against']:.2f}×"
+        lines.append(f"| {cost['label']} | {cost['tokens']:.0f} | {cost['app']:.1f} | {cost['proxy']:.1f} | {cost['others']:.1f} "
+                     f"| {cost['total']:.1f} | {against} |")
+    return ("\n".join(lines) + f"\n\nFrom the table above (`{repo_path(path)}`): each configuration's median cores busy divided by "
+            "its median answers per second. The app's process is chapter 8's server alone, or the replica behind Serve; "
+            "Serve's and Ray's others include Ray's bundled HAProxy where it runs (direct ingress); the client's own CPU is left out.")
+
+
 def ceilings_block(directory: Path) -> str:
     """The harness's ceiling with one Locust process and in distributed mode (``<dir>/ch09/ceiling/``), side by side."""
     from benchmarks.report.tables import load_ceilings, loadgen_cores_of, loadgen_workers_of

@@ -74,6 +74,7 @@ from benchmarks.report.notebook_plots.ch09_scale_out import (
     plot_autoscale_timeline,
     plot_failure_drill,
     plot_replicas_and_routers,
+    plot_serve_path_costs,
     plot_simulated_scaling,
 )
 from benchmarks.report.notebook_plots.climb import (

@@ -1,4 +1,4 @@
-"""Chapter 9: the failure drill, autoscaling under a step load, replicas and routers, the simulation.
+"""Chapter 9: the failure drill, autoscaling under a step load, replicas and routers, Serve's path, the simulation.
 """
 
 from __future__ import annotations
@@ -33,6 +33,10 @@ def load_scale_out(directory: Path, name: str) -> dict:
         scenario = "drill" if name.startswith("failure-drill") else "autoscale"
         if name.startswith("replicas"):
             command = f"python -m benchmarks.studies.replicas_and_routers.scale_out_compare --out {repo_relative(path)}"
+        elif name.startswith("serve-path-"):
+            command = ("python -m benchmarks.studies.replicas_and_routers.scale_out_compare --configs 'chapter 8 alone' '1 replica' "
+                       "'1 replica, direct ingress' 'chapter 8 alone, runs of 64' '1 replica, runs of 64' --workload "
+                       f"{name.removeprefix('serve-path-').removesuffix('.json')} --duration-s 15 --rounds 3 --out {repo_relative(path)}")
         elif name.startswith("simulation"):
             command = f"python -m benchmarks.studies.scale_out_simulation.sweep --out {repo_relative(path)}"
         else:
@@ -140,6 +144,34 @@ def plot_replicas_and_routers(comparison: Mapping):
         ax.grid(True, axis="y", alpha=0.3)
     qps_ax.figure.tight_layout()
     return qps_ax.figure
+
+
+def plot_serve_path_costs(comparisons: Mapping[str, Mapping]):
+    """Serve's path, one panel per workload: core-milliseconds per answer by process (stacked), each configuration's
+    median cores busy over its median answers per second (``scale_out_blocks.answer_costs``)."""
+    from benchmarks.report.scale_out_blocks import answer_costs
+
+    axes = Figure(figsize=(12, 4.6)).subplots(1, len(comparisons), squeeze=False)[0]
+    parts = {"app": ("the app's process (chapter 8 alone, or the replica)", "tab:blue"), "proxy": ("Serve's proxy", "tab:orange"),
+             "others": ("Serve's and Ray's others", "tab:gray")}
+    for ax, (workload, comparison) in zip(axes, comparisons.items(), strict=True):
+        costs = answer_costs(comparison)
+        x, bottom = np.arange(len(costs)), np.zeros(len(costs))
+        for key, (legend, colour) in parts.items():
+            heights = np.array([cost[key] for cost in costs])
+            ax.bar(x, heights, bottom=bottom, color=colour, label=legend)
+            bottom += heights
+        for i, cost in enumerate(costs):
+            if cost["against"] is not None:
+                ax.annotate(f"{cost['against']:.2f}×", (i, bottom[i]), ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(x, [cost["label"].replace(", ", ",\n") for cost in costs], fontsize=8)
+        ax.set_ylabel("core-ms per answer")
+        ax.set_title(f"`{workload}`: CPU per answer (× chapter 8 alone at the same runs)")
+        ax.grid(True, axis="y", alpha=0.3)
+    figure = axes[0].figure
+    figure.legend(*axes[0].get_legend_handles_labels(), fontsize=8, loc="lower center", ncol=len(parts))
+    figure.tight_layout(rect=(0, 0.06, 1, 1))
+    return figure
 
 
 def plot_simulated_scaling(results: Mapping, mix: str = "mixed"):

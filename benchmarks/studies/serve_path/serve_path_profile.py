@@ -5,12 +5,14 @@ import httpx, psutil
 HERE = Path(__file__).resolve().parent
 from benchmarks.harness.server_process import running_module
 
-mode = sys.argv[1]  # "thread" (Serve's default), "nothread", or "direct" (Serve's direct ingress: no Python proxy)
+# "thread" (Serve's default), "nothread", "direct" (Serve's direct ingress: no Python proxy), or "runs64" (Serve's
+# default with each answer in about two messages, --stream-interval 64: what is left is the per-request path)
+mode = sys.argv[1]
 env = {"thread": {}, "nothread": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"},
-       "direct": {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}}[mode]
+       "direct": {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}, "runs64": {}}[mode]
 processes = ("replica",) if mode == "direct" else ("replica", "proxy")
 ARGS = ["--num-replicas", "1", "--spare-replicas", "0", "--replica-cpus", "0.5", "--torch-threads", "1", "--engine", "eager", "--precision", "bf16",
-        "--attention", "gather", "--probe-interval-s", "3600", "--drain-timeout-s", "10"]
+        "--attention", "gather", "--probe-interval-s", "3600", "--drain-timeout-s", "10", *(["--stream-interval", "64"] if mode == "runs64" else [])]
 
 async def load(url, stop, counts):
     async def client(i):
