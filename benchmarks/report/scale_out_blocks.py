@@ -5,6 +5,7 @@ the load generator's ceilings, and the simulation of many replicas.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from benchmarks.report.paths import current_command, repo_path
@@ -111,11 +112,11 @@ def answer_costs(run: dict) -> list[dict]:
     """Per configuration of a serve-path comparison: tokens per answer and core-milliseconds per answer by where they
     went (``app``: chapter 8 alone's server or the replica; ``proxy``; ``others``: Serve's controller and Ray's other
     processes), their ``total``, and ``against`` chapter 8 alone written in the same runs (None where there is none)."""
-    out, alone = [], {}  # alone: ", runs of N" (or "") -> chapter 8 alone's total
+    out, alone = [], {}  # alone: "runs of N" (or "": every token a write) -> chapter 8 alone's total
     for label, config in run["configs"].items():
         m = config["median"]
         per_answer = {group: 1000 * cores / m["qps"] for group, cores in m.get("server_cores_busy", {}).items()}
-        runs = label.partition(",")[2] if "runs of" in label else ""
+        runs = match[0] if (match := re.search(r"runs of \d+", label)) else ""
         total = sum(per_answer.values())
         if label.startswith("chapter 8 alone"):
             alone[runs] = total

@@ -11,6 +11,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from benchmarks.report.notebook_plots.common import MissingData, repo_relative
+from benchmarks.report.scale_out_blocks import answer_costs
 
 
 # --------------------------------------------------------------------------------------------
@@ -149,8 +150,6 @@ def plot_replicas_and_routers(comparison: Mapping):
 def plot_serve_path_costs(comparisons: Mapping[str, Mapping]):
     """Serve's path, one panel per workload: core-milliseconds per answer by process (stacked), each configuration's
     median cores busy over its median answers per second (``scale_out_blocks.answer_costs``)."""
-    from benchmarks.report.scale_out_blocks import answer_costs
-
     axes = Figure(figsize=(12, 4.6)).subplots(1, len(comparisons), squeeze=False)[0]
     parts = {"app": ("the app's process (chapter 8 alone, or the replica)", "tab:blue"), "proxy": ("Serve's proxy", "tab:orange"),
              "others": ("Serve's and Ray's others", "tab:gray")}

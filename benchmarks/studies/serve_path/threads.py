@@ -37,9 +37,8 @@ def per_thread(path: Path) -> collections.Counter:
 def by_package(path: Path, skip: str = "step-thread") -> tuple[int, collections.Counter]:
     """Active samples outside the ``skip`` thread, by the package of the innermost Python frame that is not scaffolding
     (``ray``, ``grpc``, ``asyncio``, ``chapters``...); a sample with none ran native code under the loop (the loop's
-    own, gRPC's poller, Ray's core worker). py-spy counts a thread active when it is not asleep, so a thread waiting in
-    ``epoll`` or for the interpreter lock is not counted (that holds without ``--native`` only: with it, py-spy counts
-    those waits too)."""
+    own, gRPC's poller, Ray's core worker). Recorded without ``--native``: with it, these profiles also counted the
+    loops' threads waiting in ``epoll`` as active, which is waiting, not work."""
     total, counts = 0, collections.Counter()
     with gzip.open(path, "rt") as lines:
         for line in lines:
@@ -50,8 +49,7 @@ def by_package(path: Path, skip: str = "step-thread") -> tuple[int, collections.
             total += int(n)
             python = [m for m in map(PYTHON_FRAME.match, frames[1:]) if m and not SCAFFOLD.match(m["name"])]
             if python:
-                where = python[-1]["file"].split("/")[0]
-                counts[where.removesuffix(".py") + ("" if "/" in python[-1]["file"] else " (standard library)")] += int(n)
+                counts[python[-1]["file"].split("/")[0].removesuffix(".py")] += int(n)
             else:
                 counts["native code under the loop"] += int(n)
     return total, counts
