@@ -104,8 +104,16 @@ def replicas_block(directory: Path, name: str = "replicas-and-routers.json", aga
 
 
 # the processes where an answer's CPU goes, grouped as scale_out_compare.cpu_by_group names them
-APP_GROUPS = ("server", "replicas")
-SERVE_GROUPS = ("Serve's proxy", "Serve's controller", "Ray's other processes")
+APP_GROUPS = ("server", "replicas")  # chapter 8 alone's process, or the replica
+OTHER_GROUPS = ("Serve's controller", "Ray's other processes")  # besides the proxy
+SERVE_PATH_CONFIGS = ("chapter 8 alone", "1 replica", "1 replica, direct ingress", "chapter 8 alone, runs of 64", "1 replica, runs of 64")
+
+
+def serve_path_command(workload: str, out: str) -> str:
+    """The command that records the serve-path comparison on ``workload`` into ``out``."""
+    configs = " ".join(f"'{label}'" for label in SERVE_PATH_CONFIGS)
+    return (f"python -m benchmarks.studies.replicas_and_routers.scale_out_compare --configs {configs} --workload {workload} "
+            f"--duration-s 15 --rounds 3 --out {out}")
 
 
 def answer_costs(run: dict) -> list[dict]:
@@ -122,7 +130,7 @@ def answer_costs(run: dict) -> list[dict]:
             alone[runs] = total
         out.append({"label": label, "tokens": m["output_tokens_per_s"] / m["qps"],
                     "app": sum(per_answer.get(group, 0.0) for group in APP_GROUPS), "proxy": per_answer.get("Serve's proxy", 0.0),
-                    "others": sum(per_answer.get(group, 0.0) for group in SERVE_GROUPS[1:]), "total": total,
+                    "others": sum(per_answer.get(group, 0.0) for group in OTHER_GROUPS), "total": total,
                     "against": total / alone[runs] if alone.get(runs) else None})
     return out
 
@@ -132,7 +140,7 @@ def serve_path_cost_block(directory: Path, workload: str) -> str:
     cores busy over its answers per second, as core-milliseconds per answer, by where they were spent."""
     path = directory / SCALE_OUT_DIR / f"serve-path-{workload}.json"
     if not path.exists():
-        return f"*No comparison yet: `python -m benchmarks.studies.replicas_and_routers.scale_out_compare --workload {workload} --out {repo_path(path)}`.*"
+        return f"*No comparison yet: `{serve_path_command(workload, repo_path(path))}`.*"
     lines = ["| configuration | tokens per answer | core-ms per answer: the app's process | Serve's proxy | Serve's and Ray's others "
              "| the server, all | against chapter 8 alone at the same runs |", "|---|---|---|---|---|---|---|"]
     for cost in answer_costs(json.loads(path.read_text())):

@@ -11,7 +11,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from benchmarks.report.notebook_plots.common import MissingData, repo_relative
-from benchmarks.report.scale_out_blocks import answer_costs
+from benchmarks.report.scale_out_blocks import answer_costs, serve_path_command
 
 
 # --------------------------------------------------------------------------------------------
@@ -35,9 +35,7 @@ def load_scale_out(directory: Path, name: str) -> dict:
         if name.startswith("replicas"):
             command = f"python -m benchmarks.studies.replicas_and_routers.scale_out_compare --out {repo_relative(path)}"
         elif name.startswith("serve-path-"):
-            command = ("python -m benchmarks.studies.replicas_and_routers.scale_out_compare --configs 'chapter 8 alone' '1 replica' "
-                       "'1 replica, direct ingress' 'chapter 8 alone, runs of 64' '1 replica, runs of 64' --workload "
-                       f"{name.removeprefix('serve-path-').removesuffix('.json')} --duration-s 15 --rounds 3 --out {repo_relative(path)}")
+            command = serve_path_command(name.removeprefix("serve-path-").removesuffix(".json"), repo_relative(path))
         elif name.startswith("simulation"):
             command = f"python -m benchmarks.studies.scale_out_simulation.sweep --out {repo_relative(path)}"
         else:
