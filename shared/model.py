@@ -1,23 +1,30 @@
-"""A GPT-2-architecture decoder: pre-LayerNorm blocks, causal SDPA attention, tanh-GELU MLP, tied embeddings.
+"""The decoder every chapter serves: the step interface, the attend seam, and the GPT-2 family.
+
+Two families sit behind one interface (:class:`DecoderModel`): the GPT-2 architecture here
+(pre-LayerNorm blocks, learned positions, tanh-GELU MLP, tied embeddings) and the Llama
+architecture in :mod:`shared.llama` (RMSNorm, rotary positions, a gated SiLU MLP, grouped-query
+attention). No chapter asks which one it serves: :func:`build_model` builds either from its config.
 
 The model never owns its KV cache. Each forward pass may be handed an object that follows the
 :class:`KVCache` protocol (``seq_len``, ``update``, ``read``, ``advance``), so a chapter can swap the
 cache (growing tensors, a pre-allocated pool, paged blocks) without touching this file.
 
 Generation calls the model through two explicit steps, the same two every inference engine offers
-(:class:`StepModel`): :meth:`GPT.prefill` (the prompt, nothing cached yet) and :meth:`GPT.decode`
+(:class:`StepModel`): :meth:`DecoderModel.prefill` (the prompt, nothing cached yet) and :meth:`DecoderModel.decode`
 (one more token per row, everything before it cached). Both return the last position's logits only.
 
 Attention is the one place where a token meets the others, so it is the seam: each layer computes
 its queries, keys and values and hands them to an :data:`Attend` function, which stores the new keys
 and values wherever the cache keeps them and returns the attention output. The contiguous caches
 (chapters 1-7) attend the dense way (:class:`DenseAttend`: the cache returns the whole history,
-then SDPA). :meth:`GPT.forward_packed` takes the attend function from the caller instead: one
+then SDPA). :meth:`DecoderModel.forward_packed` takes the attend function from the caller instead: one
 flattened row of every token a step computes, for a paged cache that attends in place (chapter 8).
 
 Left padding is supported for batched decoding: pass ``attention_mask`` (1 for real tokens, 0 for
 padding, covering cached and new positions) and ``position_ids`` that count real tokens only.
 Module names follow Hugging Face's GPT-2 (``h.0.attn.c_attn`` ...) so its checkpoints map one to one.
+Keys and values have the model's key/value heads (``config.kv_heads``), which may be fewer than
+its query heads: every cache is sized from them.
 """
 
 from __future__ import annotations
@@ -34,31 +41,73 @@ from torch import Tensor, nn
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """A decoder's shape. ``family`` names its blocks: ``gpt2`` (this file) or ``llama`` (:mod:`shared.llama`).
+
+    The Llama fields default to what makes a GPT: as many key/value heads as query heads, a 4x MLP.
+    What a KV cache needs (:attr:`kv_heads`, :attr:`head_dim`, :meth:`kv_bytes_per_token`) is read
+    from here, never from the query heads.
+    """
+
     vocab_size: int
-    n_ctx: int  # longest sequence (prompt + generated tokens) the position table covers
+    n_ctx: int  # longest sequence (prompt + generated tokens) the positions cover
     n_embd: int
     n_layer: int
-    n_head: int
-    layer_norm_eps: float = 1e-5
+    n_head: int  # query heads
+    layer_norm_eps: float = 1e-5  # the GPT's LayerNorm
+    family: str = "gpt2"
+    n_kv_head: int | None = None  # key/value heads (grouped-query attention); None: one per query head
+    intermediate_size: int | None = None  # the MLP's hidden width; None: 4 * n_embd
+    rope_theta: float = 10000.0  # the Llama's rotary base
+    rms_norm_eps: float = 1e-5  # the Llama's RMSNorm
+    tie_word_embeddings: bool = True  # the output head reuses the token embedding
+    qkv_bias: bool = False  # the Llama's q, k, v projections carry a bias (Qwen2 does)
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"unknown model family {self.family!r}; known: {', '.join(FAMILIES)}")
+        if self.n_embd % self.n_head or self.n_head % self.kv_heads:
+            raise ValueError(f"{self.n_head} query heads must divide the width {self.n_embd} and be a multiple "
+                             f"of the {self.kv_heads} key/value heads")
 
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def kv_width(self) -> int:
+        """Key (or value) numbers one token stores per layer: key/value heads x head width."""
+        return self.kv_heads * self.head_dim
+
+    @property
+    def mlp_width(self) -> int:
+        return self.intermediate_size or 4 * self.n_embd
+
     def kv_bytes_per_token(self, dtype: torch.dtype = torch.float32) -> int:
         """Bytes of key and value cache one token occupies across all layers."""
         element = torch.tensor([], dtype=dtype).element_size()
-        return 2 * self.n_layer * self.n_embd * element
+        return 2 * self.n_layer * self.kv_width * element
 
     def to_dict(self) -> dict:
         return asdict(self)
 
+
+FAMILIES = ("gpt2", "llama")
 
 PRESETS: dict[str, ModelConfig] = {
     # ~3.3 M parameters: byte vocabulary, the embedded default model, the tests and the CPU benchmark.
     "tiny": ModelConfig(vocab_size=258, n_ctx=512, n_embd=256, n_layer=4, n_head=4),
     # The 124 M GPT-2 shape: the GPU benchmark, and real GPT-2 weights from a local directory.
     "gpt2": ModelConfig(vocab_size=50257, n_ctx=1024, n_embd=768, n_layer=12, n_head=12),
+    # SmolLM2-135M's shape (the Llama family): 9 query heads share 3 key/value heads.
+    "smollm2-135m": ModelConfig(vocab_size=49152, n_ctx=8192, n_embd=576, n_layer=30, n_head=9, family="llama",
+                                n_kv_head=3, intermediate_size=1536, rope_theta=100000.0),
+    # A Llama small enough for the tests: byte vocabulary, 4 query heads over 2 key/value heads.
+    "llama-tiny": ModelConfig(vocab_size=258, n_ctx=512, n_embd=256, n_layer=2, n_head=4, family="llama",
+                              n_kv_head=2, intermediate_size=512),
 }
 
 
@@ -74,12 +123,12 @@ class KVCache(Protocol):
         ...
 
     def update(self, layer: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        """Store ``key``/``value`` of shape (B, H, T, D) after position ``seq_len`` for ``layer``;
-        return every stored key and value of that layer, shape (B, H, seq_len + T, D)."""
+        """Store ``key``/``value`` of shape (B, H_kv, T, D) after position ``seq_len`` for ``layer``;
+        return every stored key and value of that layer, shape (B, H_kv, seq_len + T, D)."""
         ...
 
     def read(self, layer: int) -> tuple[Tensor, Tensor]:
-        """Every stored key and value of ``layer``, shape (B, H, seq_len, D), without storing anything."""
+        """Every stored key and value of ``layer``, shape (B, H_kv, seq_len, D), without storing anything."""
         ...
 
     def advance(self, n_tokens: int) -> None:
@@ -143,8 +192,9 @@ class DynamicKVCache:
 
 
 Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
-"""``attend(layer, q, k, v) -> y``: q, k, v are this call's new positions, (B, H, T, D) each; the
-function stores k and v (if it caches) and returns the attention output for q, (B, H, T, D)."""
+"""``attend(layer, q, k, v) -> y``: this call's new positions, q (B, H, T, D) and k, v (B, H_kv, T, D)
+(H_kv divides H: query head h reads key/value head h // (H / H_kv)); the function stores k and v
+(if it caches) and returns the attention output for q, (B, H, T, D)."""
 
 
 class DenseAttend:
@@ -159,9 +209,10 @@ class DenseAttend:
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if self.cache is not None:
             k, v = self.cache.update(layer, k, v)
+        grouped = q.shape[1] != k.shape[1]
         if self.mask is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, enable_gqa=grouped)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, enable_gqa=grouped)
 
 
 class Attention(nn.Module):
@@ -181,8 +232,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.c_fc = nn.Linear(config.n_embd, config.mlp_width)
+        self.c_proj = nn.Linear(config.mlp_width, config.n_embd)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
@@ -202,13 +253,17 @@ class Block(nn.Module):
         """The half before attention: LayerNorm and the fused q, k, v projection, (B, T, W) -> (B, T, 3W)."""
         return self.attn.c_attn(self.ln_1(x))
 
+    def attention_inputs(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v of (B, H, T, D) for the tokens ``x``; a GPT's positions are already in ``x``."""
+        return self.attn.heads(self.qkv(x))
+
     def after_attention(self, x: Tensor, y: Tensor) -> Tensor:
         """The half after it: attention's output ``y`` (B, H, T, D) projected and added to ``x``, then the MLP's residual."""
         x = x + self.attn.c_proj(y.transpose(1, 2).reshape(x.shape))
         return x + self.mlp(self.ln_2(x))
 
-    def forward(self, x: Tensor, attend: Attend) -> Tensor:
-        return self.after_attention(x, attend(self.attn.layer_index, *self.attn.heads(self.qkv(x))))
+    def forward(self, x: Tensor, position_ids: Tensor, attend: Attend) -> Tensor:
+        return self.after_attention(x, attend(self.attn.layer_index, *self.attention_inputs(x, position_ids)))
 
 
 def build_attention_mask(attention_mask: Tensor | None, past: int, length: int) -> Tensor | None:
@@ -233,14 +288,31 @@ def build_attention_mask(attention_mask: Tensor | None, past: int, length: int) 
     return allowed | (key_pos[None, :] == query_pos[:, None])[None, None]
 
 
-class GPT(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.n_ctx, config.n_embd)
-        self.h = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
+class DecoderModel(nn.Module):
+    """What every family shares: the step interface over embed -> blocks -> head.
+
+    A family supplies :meth:`embed` (token ids and positions to vectors), :attr:`blocks` (each with
+    ``attention_inputs``, ``after_attention`` and ``forward(x, position_ids, attend)``) and
+    :meth:`head` (final norm and output layer). Position ids always reach the blocks: a GPT adds its
+    positions at the embedding, a Llama rotates queries and keys inside each block.
+    """
+
+    config: ModelConfig
+
+    def embed(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        raise NotImplementedError
+
+    def head(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    @property
+    def embedding(self) -> nn.Embedding:
+        """The token embedding (the output layer's weight too where they are tied)."""
+        raise NotImplementedError
 
     def forward(
         self,
@@ -262,30 +334,31 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of {past + length} tokens exceeds the context of {self.config.n_ctx}")
         if position_ids is None:
             position_ids = torch.arange(past, past + length, device=input_ids.device)[None, :]
-        x = self.wte(input_ids) + self.wpe(position_ids)
+        x = self.embed(input_ids, position_ids)
         attend = DenseAttend(cache, build_attention_mask(attention_mask, past, length))
-        for block in self.h:
-            x = block(x, attend)
+        for block in self.blocks:
+            x = block(x, position_ids, attend)
         if cache is not None:
             cache.advance(length)
         if last_token_only:
             x = x[:, -1:, :]
-        return F.linear(self.ln_f(x), self.wte.weight)  # tied input and output embeddings
+        return self.head(x)
 
     @torch.no_grad()
     def forward_packed(self, input_ids: Tensor, position_ids: Tensor, attend: Attend, logits_indices: Tensor) -> Tensor:
         """One packed step: float32 logits (len(logits_indices), V) at the flattened positions ``logits_indices``.
 
         ``input_ids`` and ``position_ids`` are (N,): every token the step computes, sequence after
-        sequence, no padding. Linear layers, LayerNorm and the MLP see exactly these N tokens; which
+        sequence, no padding. Linear layers, norms and the MLP see exactly these N tokens; which
         token may attend to which, and where keys and values are stored, is ``attend``'s business
-        (it receives (1, H, N, D) tensors). Only the rows in ``logits_indices`` reach the output layer.
+        (it receives (1, H, N, D) queries and (1, H_kv, N, D) keys and values). Only the rows in
+        ``logits_indices`` reach the output layer.
         """
-        x = (self.wte(input_ids) + self.wpe(position_ids))[None]
-        for block in self.h:
-            x = block(x, attend)
-        x = x[0].index_select(0, logits_indices)
-        return F.linear(self.ln_f(x), self.wte.weight).float()
+        positions = position_ids[None]
+        x = self.embed(input_ids[None], positions)
+        for block in self.blocks:
+            x = block(x, positions, attend)
+        return self.head(x[0].index_select(0, logits_indices)).float()
 
     @torch.no_grad()
     def prefill(self, input_ids: Tensor, position_ids: Tensor | None, attention_mask: Tensor | None,
@@ -310,27 +383,66 @@ class GPT(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.wte.weight.device
+        return self.embedding.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.wte.weight.dtype
+        return self.embedding.weight.dtype
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
 
-def init_weights(model: GPT, seed: int = 0) -> GPT:
-    """GPT-2's initialisation, seeded: the same seed gives the same bits on any machine."""
+class GPT(DecoderModel):
+    """GPT-2: learned positions added to the token embedding, LayerNorm, a GELU MLP, tied output layer."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.n_ctx, config.n_embd)
+        self.h = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
+
+    def embed(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
+        return self.wte(input_ids) + self.wpe(position_ids)
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.h
+
+    def head(self, x: Tensor) -> Tensor:
+        return F.linear(self.ln_f(x), self.wte.weight)  # tied input and output embeddings
+
+    @property
+    def embedding(self) -> nn.Embedding:
+        return self.wte
+
+
+def init_weights(model: DecoderModel, seed: int = 0) -> DecoderModel:
+    """GPT-2's initialisation, seeded: the same seed gives the same bits on any machine.
+
+    Norm weights 1, biases 0, every other weight normal with std 0.02 (the residual projections scaled
+    down by the depth); a Llama gets the same rule.
+    """
     generator = torch.Generator().manual_seed(seed)
     residual_std = 0.02 / math.sqrt(2 * model.config.n_layer)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("bias"):
                 param.zero_()
-            elif ".ln_" in name or name.startswith("ln_f"):
+            elif param.dim() == 1:  # LayerNorm / RMSNorm weights
                 param.fill_(1.0)
             else:
-                std = residual_std if name.endswith("c_proj.weight") else 0.02
+                std = residual_std if name.endswith(("c_proj.weight", "o_proj.weight", "down_proj.weight")) else 0.02
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
     return model
+
+
+def build_model(config: ModelConfig) -> DecoderModel:
+    """An uninitialised model of ``config``'s family."""
+    if config.family == "llama":
+        from shared.llama import Llama
+
+        return Llama(config)
+    return GPT(config)

@@ -35,9 +35,10 @@ class ServerSettings(BaseSettings):
 
     host: str = Field("127.0.0.1", description="address to bind; loopback unless you mean to expose it")
     port: int = Field(8000, ge=0, le=65535, description="TCP port (0: any free port)")
-    weights: str = Field("default", description="default | dummy | path to .safetensors | Hugging Face GPT-2 directory")
+    weights: str = Field("default", description="default | smollm2 | dummy | path to .gguf or .safetensors | Hugging Face GPT-2 or Llama directory")
     preset: str = Field("tiny", description="model shape for --weights dummy: tiny | gpt2")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
+    context: int = Field(0, ge=0, description="longest sequence served, prompt + new tokens (0: the model's own, at most 512)")
     dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description="weights and activations")
     torch_threads: int = Field(0, ge=0, description="intra-op threads for the model (0: leave torch's default)")
     max_new_tokens_limit: int = Field(256, ge=1, description="largest max_new_tokens a request may ask for")

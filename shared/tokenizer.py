@@ -1,7 +1,8 @@
 """Byte-level tokenizer: every UTF-8 byte is a token, plus two special ids.
 
-The embedded default model speaks this vocabulary. A Hugging Face GPT-2 directory brings its own
-``tokenizer.json``; :func:`load_hf_tokenizer` wraps it behind the same two methods.
+The embedded default model speaks this vocabulary. A real model brings its own byte-level BPE (a
+Hugging Face directory's ``tokenizer.json``, or a GGUF file's vocabulary and merges), wrapped by
+:class:`HFTokenizer` behind the same two methods.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ SPECIAL_TOKENS = {EOS_ID: "<|endoftext|>", PAD_ID: "<|pad|>"}
 class Tokenizer(Protocol):
     vocab_size: int
     pad_id: int
+    eos_id: int
+    chat_template: str | None  # the model's Jinja chat template, None where it has none
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -32,6 +35,7 @@ class ByteTokenizer:
     vocab_size = BYTE_VOCAB_SIZE
     pad_id = PAD_ID
     eos_id = EOS_ID
+    chat_template = None
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -55,29 +59,52 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A ``tokenizer.json`` from a Hugging Face GPT-2 directory (needs the ``tokenizers`` package)."""
+    """A ``tokenizers`` tokenizer (a directory's ``tokenizer.json``, or a GGUF file's vocabulary and merges).
 
-    def __init__(self, path: Path, vocab_size: int) -> None:
-        from tokenizers import Tokenizer as _Tokenizer
+    ``eos_id`` ends a turn in the OpenAI routes; ``chat_template`` is the model's own Jinja template
+    (None where the model has none). Special tokens written in a prompt (``<|im_start|>``) become their ids.
+    """
 
-        self._tok = _Tokenizer.from_file(str(path))
+    def __init__(self, tokenizer, vocab_size: int, eos_id: int, bos_id: int | None = None, pad_id: int | None = None,
+                 chat_template: str | None = None) -> None:
+        self._tok = tokenizer
         self.vocab_size = vocab_size
-        eos = self._tok.token_to_id("<|endoftext|>")
-        self.eos_id = eos if eos is not None else vocab_size - 1
-        self.pad_id = self.eos_id  # GPT-2 has no pad token; padding is masked anyway
+        self.eos_id, self.bos_id = eos_id, bos_id
+        self.pad_id = eos_id if pad_id is None else pad_id  # padding is masked anyway
+        self.chat_template = chat_template
+
+    def token_text(self, token_id: int) -> str:
+        return self._tok.id_to_token(token_id) or ""
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+        return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
 
 
 def load_hf_tokenizer(directory: Path, vocab_size: int) -> Tokenizer:
-    """The directory's ``tokenizer.json`` if present, else the byte tokenizer when it fits the vocabulary."""
-    path = Path(directory) / "tokenizer.json"
+    """The directory's ``tokenizer.json`` (special tokens and chat template from ``tokenizer_config.json``
+    where present), else the byte tokenizer when it fits the vocabulary."""
+    import json
+
+    directory = Path(directory)
+    path = directory / "tokenizer.json"
     if path.exists():
-        return HFTokenizer(path, vocab_size)
+        from tokenizers import Tokenizer as _Tokenizer
+
+        tok = _Tokenizer.from_file(str(path))
+        config_path = directory / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        special = lambda key, default: tok.token_to_id(_token_content(config.get(key)) or default)  # noqa: E731
+        eos = special("eos_token", "<|endoftext|>")
+        return HFTokenizer(tok, vocab_size, eos_id=eos if eos is not None else vocab_size - 1,
+                           bos_id=special("bos_token", ""), pad_id=special("pad_token", ""),
+                           chat_template=config.get("chat_template"))
     if vocab_size >= BYTE_VOCAB_SIZE:
         return ByteTokenizer()
     raise ValueError(f"{directory} has no tokenizer.json and its vocabulary ({vocab_size}) is too small for bytes")
+
+
+def _token_content(token: str | dict | None) -> str | None:
+    return token.get("content") if isinstance(token, dict) else token

@@ -78,6 +78,22 @@ def oracle(default_model: LoadedModel) -> Oracle:
     return Oracle(default_model)
 
 
+@pytest.fixture(scope="session")
+def smollm2() -> LoadedModel:
+    """The real model, SmolLM2-135M-Instruct from its packaged GGUF, FP32 on the CPU: ``--weights smollm2``."""
+    return load_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def llama_oracle():
+    """transformers' ``LlamaForCausalLM`` on the same GGUF file (:mod:`llama_oracle`)."""
+    from llama_oracle import LlamaOracle
+
+    from shared.weights import smollm2_path
+
+    return LlamaOracle(smollm2_path())
+
+
 # How a server may end after SIGTERM: gunicorn's master exits 0; uvicorn finishes its graceful
 # shutdown and then re-raises the signal, so its parent sees "terminated by SIGTERM". A SIGKILL
 # (the grace period ran out) or any other status means the server did not stop cleanly.

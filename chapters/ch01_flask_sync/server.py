@@ -23,12 +23,12 @@ from gunicorn.app.base import BaseApplication
 from pydantic import Field
 
 from chapters.ch01_flask_sync.api import create_app
-from shared.devices import choose_device, set_threads
+from shared.devices import set_threads
 from shared.generation import greedy_generate
 from shared.schemas import ValidRequest
-from shared.settings import ServerSettings, parse_settings
+from shared.settings import ServerSettings, parse_settings, refused_flags_exit
 from shared.unwritten import or_meanwhile
-from shared.weights import load_model
+from shared.weights import check_weights, load_served_model
 
 
 class FlaskSyncSettings(ServerSettings):
@@ -60,7 +60,7 @@ def build_app(settings: FlaskSyncSettings) -> Flask:
     """Load the model and wrap it in the Flask app. Runs inside each worker process."""
     set_threads(or_meanwhile(lambda: torch_threads_per_worker(settings), lambda: settings.torch_threads,
                              "each worker keeps torch's default threads"))
-    loaded = load_model(settings.weights, settings.preset, choose_device(settings.device), settings.torch_dtype)
+    loaded = load_served_model(settings)
     # With the sync worker there is one thread and the lock is never contended. With --threads > 1
     # (gthread) it is what keeps those threads from running the model at the same time: they would
     # only compete for the same cores (and on a GPU for the same stream) and all finish later.
@@ -136,7 +136,10 @@ class GunicornServer(BaseApplication):
 
 
 def main(argv: list[str] | None = None) -> None:
-    settings = parse_settings(FlaskSyncSettings, argv, prog="python -m chapters.ch01_flask_sync")
+    prog = "python -m chapters.ch01_flask_sync"
+    settings = parse_settings(FlaskSyncSettings, argv, prog=prog)
+    with refused_flags_exit(prog):  # weights the workers could not load: one line, exit 2, before any fork
+        check_weights(settings)
     # The master handles SIGTERM itself: stop accepting, let workers finish, exit 0.
     GunicornServer(settings).run()
 

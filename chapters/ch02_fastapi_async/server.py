@@ -22,12 +22,12 @@ import uvicorn
 from fastapi import FastAPI
 
 from chapters.ch02_fastapi_async.api import DisconnectCheck, Generated, create_app
-from shared.devices import choose_device, set_threads
+from shared.devices import set_threads
 from shared.generation import greedy_generate
 from shared.model import GPT
 from shared.schemas import ValidRequest
-from shared.settings import ServerSettings, parse_settings
-from shared.weights import load_model
+from shared.settings import ServerSettings, parse_settings, refused_flags_exit
+from shared.weights import load_served_model
 
 
 class OneThreadBackend:
@@ -77,7 +77,7 @@ class OneThreadBackend:
 
 def build_app(settings: ServerSettings) -> FastAPI:
     set_threads(settings.torch_threads)
-    loaded = load_model(settings.weights, settings.preset, choose_device(settings.device), settings.torch_dtype)
+    loaded = load_served_model(settings)
     backend = OneThreadBackend(loaded.model, {"chapter": "ch02", "model": loaded.source})
     return create_app(
         title="ch02 FastAPI async",
@@ -88,8 +88,10 @@ def build_app(settings: ServerSettings) -> FastAPI:
 
 
 def main(argv: list[str] | None = None) -> None:
-    settings = parse_settings(ServerSettings, argv, prog="python -m chapters.ch02_fastapi_async")
-    app = build_app(settings)
+    prog = "python -m chapters.ch02_fastapi_async"
+    settings = parse_settings(ServerSettings, argv, prog=prog)
+    with refused_flags_exit(prog):  # weights it cannot serve: one line, exit 2
+        app = build_app(settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
 
 

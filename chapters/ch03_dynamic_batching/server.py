@@ -23,11 +23,11 @@ from chapters.ch02_fastapi_async.api import DisconnectCheck, Generated, create_a
 from chapters.ch03_dynamic_batching.batched_generation import Prefill, generate_batch
 from chapters.ch03_dynamic_batching.batcher import BatcherConfig, BatchRunner, DynamicBatcher
 from chapters.ch03_dynamic_batching.live_view import LiveView, request_row, serve
-from shared.devices import choose_device, set_threads
+from shared.devices import set_threads
 from shared.model import StepModel
 from shared.schemas import ValidRequest
-from shared.settings import ServerSettings, parse_settings
-from shared.weights import load_model
+from shared.settings import ServerSettings, parse_settings, refused_flags_exit
+from shared.weights import load_served_model
 
 
 class BatcherOptions(BaseSettings):
@@ -98,7 +98,7 @@ class BatchedBackend:
 def build_app(settings: BatchingSettings, run_batch: BatchRunner[ValidRequest, Generated] | None = None) -> FastAPI:
     """The server; ``run_batch`` replaces the model's batch function (tests inject failures with it)."""
     set_threads(settings.torch_threads)
-    loaded = load_model(settings.weights, settings.preset, choose_device(settings.device), settings.torch_dtype)
+    loaded = load_served_model(settings)
     # The batcher owns the one inference thread (chapter 2's ThreadPoolExecutor(1)) and feeds it batches.
     batcher = DynamicBatcher(
         run_batch or GreedyBatchRunner(loaded.model, loaded.tokenizer.pad_id, settings.prefill), settings.batcher_config(),
@@ -116,8 +116,11 @@ def build_app(settings: BatchingSettings, run_batch: BatchRunner[ValidRequest, G
 
 
 def main(argv: list[str] | None = None) -> None:
-    settings = parse_settings(BatchingSettings, argv, prog="python -m chapters.ch03_dynamic_batching")
-    serve(build_app(settings), settings)
+    prog = "python -m chapters.ch03_dynamic_batching"
+    settings = parse_settings(BatchingSettings, argv, prog=prog)
+    with refused_flags_exit(prog):  # weights it cannot serve: one line, exit 2
+        app = build_app(settings)
+    serve(app, settings)
 
 
 if __name__ == "__main__":

@@ -270,10 +270,12 @@ class PoolStats:
 class KVMemoryPool:
     """Every request's keys and values, in one tensor allocated (and touched) at start-up.
 
-    Storage layout: ``(n_layer, 2, capacity_tokens, n_embd)``, the 2 being keys and values. A block
-    is ``block_tokens`` token slots; a range of blocks is the same rows in every (layer, key/value)
-    plane, so one allocation covers all layers. Inside a plane a range is contiguous memory, which
-    :class:`PooledKVCache` reinterprets as ``(batch, heads, max_len, head_dim)``.
+    Storage layout: ``(n_layer, 2, capacity_tokens, kv_width)``, the 2 being keys and values and
+    ``kv_width`` the key/value heads times the head width (the model's width for a GPT, a third of it
+    for SmolLM2's grouped-query attention). A block is ``block_tokens`` token slots; a range of blocks
+    is the same rows in every (layer, key/value) plane, so one allocation covers all layers. Inside a
+    plane a range is contiguous memory, which :class:`PooledKVCache` reinterprets as
+    ``(batch, kv_heads, max_len, head_dim)``.
     """
 
     def __init__(
@@ -294,7 +296,7 @@ class KVMemoryPool:
         # zeros, not empty: every page is written now, so no request pays the first-touch cost later
         # (on the CPU an untouched page faults on first write; that is allocation latency too).
         self.storage = torch.zeros(
-            (config.n_layer, 2, self.capacity_tokens, config.n_embd), device=device, dtype=dtype
+            (config.n_layer, 2, self.capacity_tokens, config.kv_width), device=device, dtype=dtype
         )
         self.bytes_per_block = block_tokens * config.kv_bytes_per_token(dtype)
 
@@ -360,7 +362,7 @@ class PooledKVCache:
         self.block_range: BlockRange | None = block_range
         self.batch_size = batch_size
         self.max_len = max_len
-        shape = (batch_size, config.n_head, max_len, config.head_dim)
+        shape = (batch_size, config.kv_heads, max_len, config.head_dim)
         n_slots = batch_size * max_len
         self._keys = [pool.plane(block_range, layer, 0, n_slots).view(shape) for layer in range(config.n_layer)]
         self._values = [pool.plane(block_range, layer, 1, n_slots).view(shape) for layer in range(config.n_layer)]

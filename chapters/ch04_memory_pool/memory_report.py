@@ -10,6 +10,7 @@ the kernels. These are not benchmark numbers; the harness measures time, this me
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,8 @@ from chapters.ch04_memory_pool.memory_pool import (
     kv_bytes_per_request,
     pool_tokens_by_rule,
 )
-from shared.model import GPT, PRESETS, ModelConfig
+from shared.model import PRESETS, ModelConfig, build_model
+from shared.weights import DEFAULT_CONTEXT_CAP
 
 MiB = 2**20
 
@@ -38,17 +40,17 @@ class MemoryFigures:
 
 def count_parameters(config: ModelConfig) -> int:
     with torch.device("meta"):
-        return GPT(config).num_parameters()
+        return build_model(config).num_parameters()
 
 
 def largest_activation_bytes(config: ModelConfig, batch: int, prompt: int, dtype: torch.dtype) -> int:
-    """The biggest tensor a prefill creates: the MLP's 4x-wide hidden layer, or the logits row per sequence.
+    """The biggest tensor a prefill creates: the MLP's hidden layer (two of them side by side in a gated MLP), or the logits row per sequence.
 
     (A fused attention kernel never stores the T x T score matrix; the plain math kernel would, for
     ``batch x heads x prompt x prompt`` more. Workspaces and the allocator's caching come on top.)
     """
     element = torch.tensor([], dtype=dtype).element_size()
-    mlp_hidden = batch * prompt * 4 * config.n_embd
+    mlp_hidden = batch * prompt * config.mlp_width * (2 if config.family == "llama" else 1)
     last_logits = batch * config.vocab_size
     return max(mlp_hidden, last_logits) * element
 
@@ -84,6 +86,12 @@ def render(rows: list[MemoryFigures], concurrency: int, batch: int, prompt: int)
     return "\n".join(lines)
 
 
+SMOLLM2 = PRESETS["smollm2-135m"]
+# SmolLM2 twice: at the context served by default, and at its own 8k, where the rule's pool outgrows the machine.
+MODEL_SHAPES = (("tiny / default", PRESETS["tiny"]), ("gpt2", PRESETS["gpt2"]),
+                ("smollm2 served", dataclasses.replace(SMOLLM2, n_ctx=DEFAULT_CONTEXT_CAP)), ("smollm2 own", SMOLLM2))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, default=64, help="the rule's maximum concurrency (the server's default)")
@@ -92,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     rows = [
         figures(f"{name} (n_ctx {config.n_ctx})", config, dtype, args.concurrency, args.batch, args.prompt)
-        for name, config in (("tiny / default", PRESETS["tiny"]), ("gpt2", PRESETS["gpt2"]))
+        for name, config in MODEL_SHAPES
         for dtype in (torch.float32, torch.float16)
     ]
     print(render(rows, args.concurrency, args.batch, args.prompt))

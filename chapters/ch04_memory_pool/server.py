@@ -41,12 +41,12 @@ from chapters.ch04_memory_pool.memory_pool import (
     pool_tokens_by_rule,
 )
 from chapters.ch04_memory_pool.pooled_backend import CpuFallback, PooledBackend, PooledBatchRunner
-from shared.devices import choose_device, set_threads
+from shared.devices import set_threads
 from shared.model import ModelConfig
 from shared.schemas import ValidRequest
 from shared.settings import ServerSettings, SettingsError, parse_settings, refused_flags_exit
 from shared.unwritten import or_meanwhile
-from shared.weights import load_model
+from shared.weights import load_served_model
 
 log = logging.getLogger("chapters.ch04_memory_pool")
 
@@ -123,7 +123,7 @@ def plan_pool(settings: PoolOptions, concurrency: int, config: ModelConfig, dtyp
 def build_app(settings: PoolSettings, run_batch: BatchRunner[ValidRequest, Generated] | None = None) -> FastAPI:
     """The server; ``run_batch`` replaces the pooled runner's ``__call__`` (tests hold batches with it)."""
     set_threads(settings.torch_threads)
-    loaded = load_model(settings.weights, settings.preset, choose_device(settings.device), settings.torch_dtype)
+    loaded = load_served_model(settings)
     pool = build_pool(settings, settings.max_concurrency, loaded.config, loaded.model.dtype, loaded.model.device)
     runner = PooledBatchRunner(loaded.model, pool, loaded.tokenizer.pad_id, settings.prefill)
     batcher = DynamicBatcher(run_batch or runner, settings.batcher_config(), describe_row=request_row)

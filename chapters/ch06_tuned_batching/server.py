@@ -26,10 +26,10 @@ from chapters.ch03_dynamic_batching.server import BatcherOptions
 from chapters.ch04_memory_pool.server import AdmissionOptions, PoolOptions, admission_for
 from chapters.ch05_inference_engine.server import EngineOptions, runner_for
 from chapters.ch06_tuned_batching.adaptive_window import AdaptiveBatcher
-from shared.devices import choose_device, set_threads
+from shared.devices import set_threads
 from shared.settings import ServerSettings, parse_settings, refused_flags_exit
 from shared.unwritten import or_meanwhile
-from shared.weights import LoadedModel, load_model
+from shared.weights import LoadedModel, load_served_model
 
 log = logging.getLogger("chapters.ch06_tuned_batching")
 
@@ -85,7 +85,7 @@ def build_backend(settings: TunedSettings, loaded: LoadedModel) -> PooledBackend
 
 def build_app(settings: TunedSettings) -> FastAPI:
     set_threads(settings.torch_threads)
-    loaded = load_model(settings.weights, settings.preset, choose_device(settings.device), settings.torch_dtype)
+    loaded = load_served_model(settings)
     backend = build_backend(settings, loaded)
     app = create_app(
         title="ch06 tuned batching",

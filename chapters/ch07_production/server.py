@@ -76,7 +76,7 @@ from shared.devices import choose_device, memory_snapshot, set_threads
 from shared.schemas import ApiError, ContractLimits, ValidRequest
 from shared.settings import ServerSettings, parse_settings, refused_flags_exit
 from shared.unwritten import or_meanwhile
-from shared.weights import LoadedModel, load_model
+from shared.weights import LoadedModel, load_served_model
 
 log = logging.getLogger("chapters.ch07_production")
 
@@ -293,7 +293,7 @@ class ProductionBackend:
 
 def build_version(settings: ServerSettings, name: str, weights: str, seed: int, backend_factory: BackendFactory = build_backend) -> ModelVersion:
     """Load ``weights`` and build its backend with ``backend_factory`` (blocking: run it off the event loop)."""
-    loaded = load_model(weights, settings.preset, choose_device(settings.device), settings.torch_dtype, seed=seed)
+    loaded = load_served_model(settings, weights, seed=seed)
     return ModelVersion(name, loaded, backend_factory(settings, loaded))
 
 

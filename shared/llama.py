@@ -1,0 +1,144 @@
+"""The Llama family (Llama, SmolLM, Qwen2, Mistral): the block nearly every open model uses today.
+
+Four changes from the GPT-2 block of :mod:`shared.model`, each behind the same step interface and
+attend seam (``shared/LLAMA.md`` teaches what each is for):
+
+- **RMSNorm** instead of LayerNorm: scale by the root mean square, no mean subtracted, no bias.
+- **Rotary positions** instead of a learned position table: queries and keys are rotated by an angle
+  that grows with the position, before the attend seam, so every cache stores rotated keys and a
+  query's dot product with a key depends only on how far apart they are.
+- **A gated SiLU MLP**: ``down(silu(gate(x)) * up(x))``, three matrices instead of two.
+- **Grouped-query attention**: ``n_kv_head`` key/value heads, each shared by ``n_head / n_kv_head``
+  query heads, so a token's keys and values (what a cache holds) shrink by that factor.
+
+The q, k and v projections are stored as one matrix (``qkv_proj``) and gate and up as another
+(``gate_up_proj``): one product each instead of three and two. Other names follow Hugging Face's
+``LlamaForCausalLM`` without its ``model.`` prefix, so its checkpoints map one to one once fused
+(:mod:`shared.weights`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from shared.model import Attend, DecoderModel, ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)``, computed in float32 whatever the activations' dtype."""
+
+    def __init__(self, width: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        wide = x.float()
+        wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * wide.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """The cosines and sines of every position up to ``n_ctx``, and the rotation they apply.
+
+    Pairs of dimensions (i, i + D/2) of a head are turned by ``position * theta ** (-2i / D)``:
+    fast-turning pairs tell neighbours apart, slow ones far-away tokens.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        dim, cpu = config.head_dim, torch.device("cpu")  # computed even where the weights are built on "meta"
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=cpu).float() / dim))
+        angles = torch.arange(config.n_ctx, dtype=torch.float32, device=cpu)[:, None] * inv_freq[None, :]
+        angles = torch.cat([angles, angles], dim=-1)  # (n_ctx, D): the same angle for i and i + D/2
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: Tensor, position_ids: Tensor) -> Tensor:
+        """``x`` (B, H, T, D) rotated for ``position_ids`` (B or 1, T)."""
+        cos = self.cos[position_ids].to(x.dtype)[:, None]  # (B, 1, T, D)
+        sin = self.sin[position_ids].to(x.dtype)[:, None]
+        first, second = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-second, first], dim=-1) * sin
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads, config.head_dim
+        self.qkv_proj = nn.Linear(config.n_embd, config.n_embd + 2 * config.kv_width, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+
+    def heads(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The fused projection's output (B, T, W + 2 W_kv) as q (B, H, T, D) and k, v (B, H_kv, T, D)."""
+        batch, length, _ = qkv.shape
+        q, k, v = qkv.split([self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=2)
+        return (q.view(batch, length, self.n_head, self.head_dim).transpose(1, 2),
+                k.view(batch, length, self.n_kv_head, self.head_dim).transpose(1, 2),
+                v.view(batch, length, self.n_kv_head, self.head_dim).transpose(1, 2))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.n_embd, 2 * config.mlp_width, bias=False)
+        self.down_proj = nn.Linear(config.mlp_width, config.n_embd, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.n_embd, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_index)
+        self.post_attention_layernorm = RMSNorm(config.n_embd, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+        self._rotary = [rotary]  # shared by every layer; a list keeps it out of this block's submodules
+
+    def attention_inputs(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The half before attention: RMSNorm, the fused projection, then queries and keys rotated."""
+        q, k, v = self.self_attn.heads(self.self_attn.qkv_proj(self.input_layernorm(x)))
+        rotate = self._rotary[0]
+        return rotate(q, position_ids), rotate(k, position_ids), v
+
+    def after_attention(self, x: Tensor, y: Tensor) -> Tensor:
+        """The half after it: attention's output ``y`` (B, H, T, D) projected and added to ``x``, then the MLP's residual."""
+        x = x + self.self_attn.o_proj(y.transpose(1, 2).reshape(x.shape))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward(self, x: Tensor, position_ids: Tensor, attend: Attend) -> Tensor:
+        return self.after_attention(x, attend(self.self_attn.layer_index, *self.attention_inputs(x, position_ids)))
+
+
+class Llama(DecoderModel):
+    """Token embedding (no position table), Llama blocks, a final RMSNorm, a tied or separate output layer."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.rotary = RotaryEmbedding(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.n_embd)
+        self.layers = nn.ModuleList(LlamaBlock(config, i, self.rotary) for i in range(config.n_layer))
+        self.norm = RMSNorm(config.n_embd, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.n_embd, config.vocab_size, bias=False)
+
+    def embed(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
+        return self.embed_tokens(input_ids)
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.layers
+
+    def head(self, x: Tensor) -> Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(self.norm(x), weight)
+
+    @property
+    def embedding(self) -> nn.Embedding:
+        return self.embed_tokens
