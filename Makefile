@@ -16,6 +16,10 @@ TO ?= ch02
 PYTEST_ARGS ?=
 # Interleaved rounds of the climb; each chapter keeps its median run (a shared machine is noisy).
 REPEAT ?= 3
+# Other weights for `climb` and `serve`: WEIGHTS=smollm2 (the packaged SmolLM2-135M-Instruct), a .gguf file, a
+# Hugging Face directory. Empty: each profile's own (the embedded tiny model on a CPU).
+WEIGHTS ?=
+WEIGHTS_FLAG := $(if $(WEIGHTS),--weights $(WEIGHTS))
 
 .PHONY: setup browser climb test test-cpus test-slow serve diff model bench reference ceiling notebooks student grade
 
@@ -32,7 +36,7 @@ browser:
 
 # The main job: every chapter under load, the table and the plots.
 climb: setup
-	$(PY) -m benchmarks climb --profile $(PROFILE) --repeat $(REPEAT)
+	$(PY) -m benchmarks climb --profile $(PROFILE) --repeat $(REPEAT) $(WEIGHTS_FLAG)
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -53,7 +57,7 @@ test-slow: setup
 SERVE_ARGS_ch09 = --num-replicas 2 --replica-cpus 0.5 --torch-threads 1
 serve: setup
 	@test -d chapters/$(CH)_* || { echo "no chapter $(CH): see chapters/"; exit 2; }
-	$(PY) -m chapters.$$(basename chapters/$(CH)_*) --port $(PORT) $(SERVE_ARGS_$(CH))
+	$(PY) -m chapters.$$(basename chapters/$(CH)_*) --port $(PORT) $(SERVE_ARGS_$(CH)) $(WEIGHTS_FLAG)
 
 # Record reference results (commit benchmarks/reference/ afterwards) and refill the READMEs' result blocks.
 reference: setup

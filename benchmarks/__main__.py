@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.harness.profiles import PROFILE_NAMES, get_profile, resolve_profile_name
+from benchmarks.harness.profiles import PROFILE_NAMES, get_profile, resolve_profile_name, weights_name
 from benchmarks.harness.results import REFERENCE_ROOT, RESULTS_ROOT
 from benchmarks.harness.workload import WORKLOADS
 
@@ -118,11 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="redraw the table and plots from existing results")
     report.add_argument("--workload", choices=sorted(WORKLOADS), default="default")
     report.add_argument("--reference", action="store_true", help="read benchmarks/reference/<profile>/ instead")
+    report.add_argument("--weights", help="the results of a climb run with these --weights (benchmarks/results/<profile>-<name>)")
     _add_common(report, profile_default="cpu")
 
     reference = commands.add_parser("reference", help="copy results/<profile>/ to reference/<profile>/ and redraw")
     reference.add_argument("--labels", type=lambda text: [c.strip() for c in text.split(",") if c.strip()],
                            help="only these runs (default: every result of the profile, the ceiling included)")
+    reference.add_argument("--weights", help="the results of a climb run with these --weights")
     _add_common(reference, profile_default="cpu")
 
     readme = commands.add_parser("readme", help="rewrite the results blocks of the READMEs from reference results")
@@ -154,7 +156,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not chapter_is_built(args.chapter):
         print(f"{args.chapter}: not built yet (no chapters/<folder>/__main__.py), nothing to measure", file=sys.stderr)
         return 2
-    profile = get_profile(args.profile)
+    profile = get_profile(args.profile, args.weights)
     result, path = run_chapter(
         args.chapter, profile, workload=args.workload, extra_server_args=args.server_arg, label=args.label,
         out_dir=args.out, levels=args.levels, weights=args.weights, calibrate=not args.no_calibration,
@@ -162,15 +164,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
     _print_report(path.parent, args.workload)
     if args.save_reference:
-        _save_reference([path], profile.name)
+        _save_reference([path], profile.results_name)
     return 0
 
 
 def cmd_climb(args: argparse.Namespace) -> int:
     from benchmarks.harness.climb import climb, climb_repeated, results_dir
 
-    profile = get_profile(args.profile)
-    print(f"climb on the {profile.name!r} profile (asked: {args.profile}), workload {args.workload!r}")
+    profile = get_profile(args.profile, args.weights)
+    served = f", weights {args.weights!r}" if profile.model else ""
+    print(f"climb on the {profile.name!r} profile (asked: {args.profile}){served}, workload {args.workload!r}")
     began = time.monotonic()
     saved: list[Path] = []
     if args.ceiling:
@@ -189,7 +192,7 @@ def cmd_climb(args: argparse.Namespace) -> int:
     for chapter, error in outcome.failed.items():
         print(f"FAILED {chapter}: {error[:500]}", file=sys.stderr)
     if args.save_reference:
-        _save_reference([*saved, *outcome.written.values()], profile.name)
+        _save_reference([*saved, *outcome.written.values()], profile.results_name)
     return 1 if outcome.failed else 0
 
 
@@ -199,7 +202,7 @@ def cmd_openloop(args: argparse.Namespace) -> int:
     if args.label and (not args.chapters or len(args.chapters) != 1):
         print("--label names one chapter's variant: give exactly one --chapters", file=sys.stderr)
         return 2
-    profile = get_profile(args.profile)
+    profile = get_profile(args.profile, args.weights)
     began = time.monotonic()
     outcome = open_loop_climb(
         profile, chapters=args.chapters, rates=args.rates, workload=args.workload,
@@ -211,7 +214,7 @@ def cmd_openloop(args: argparse.Namespace) -> int:
     for chapter, error in outcome.failed.items():
         print(f"FAILED {chapter}: {error[:500]}", file=sys.stderr)
     if args.save_reference:
-        _save_reference(list(outcome.written.values()), profile.name)
+        _save_reference(list(outcome.written.values()), profile.results_name)
     return 1 if outcome.failed else 0
 
 
@@ -225,8 +228,14 @@ def cmd_ceiling(args: argparse.Namespace) -> int:
     return 0
 
 
+def _results_name(args: argparse.Namespace) -> str:
+    """The results folder of ``--profile`` and ``--weights``, as :attr:`Profile.results_name` names it."""
+    name = resolve_profile_name(args.profile)
+    return f"{name}-{weights_name(args.weights)}" if args.weights else name
+
+
 def cmd_report(args: argparse.Namespace) -> int:
-    profile = resolve_profile_name(args.profile)
+    profile = _results_name(args)
     root = REFERENCE_ROOT if args.reference else RESULTS_ROOT
     directory = args.out or root / profile
     if not directory.exists():
@@ -239,7 +248,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_reference(args: argparse.Namespace) -> int:
     from benchmarks.harness.results import load_result
 
-    profile = resolve_profile_name(args.profile)
+    profile = _results_name(args)
     source = args.out or RESULTS_ROOT / profile
     paths = sorted(source.glob("*.json"))
     if args.labels:

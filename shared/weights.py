@@ -246,6 +246,25 @@ def load_model(
     return LoadedModel(model=model, tokenizer=tokenizer, source=source, load_seconds=time.perf_counter() - started)
 
 
+def weights_config(weights: str, preset: str = "tiny") -> ModelConfig:
+    """The shape ``load_model(weights, preset)`` would serve, read from headers only (nothing dequantized):
+    what a load generator needs to check answers (the vocabulary) and to name its results."""
+    if weights == "dummy":
+        return PRESETS[preset]
+    if weights == "smollm2" or weights.endswith(".gguf"):
+        from gguf import GGUFReader
+
+        from shared.gguf_file import gguf_config
+
+        return gguf_config(GGUFReader(smollm2_path() if weights == "smollm2" else Path(weights)))
+    path = DEFAULT_WEIGHTS if weights == "default" else Path(weights)
+    if path.is_dir():
+        raw = json.loads((path / "config.json").read_text())
+        return _hf_config(path) if raw.get("model_type", "gpt2") == "gpt2" else _hf_llama_config(raw)
+    meta = _read_metadata(path)
+    return ModelConfig(**json.loads(meta[_CONFIG_KEY])) if _CONFIG_KEY in meta else PRESETS[preset]
+
+
 def check_weights(settings) -> None:
     """Refuse, before loading anything, weights :func:`load_served_model` would refuse for their name, file
     or header (a process that loads the model later, in forked workers, calls this first)."""

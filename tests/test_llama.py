@@ -245,3 +245,13 @@ def test_a_server_given_weights_it_cannot_serve_says_why_in_one_line_and_exits_2
     lines = done.stderr.strip().splitlines()
     assert lines[-1] == f"python -m chapters.{chapter}: error: {bad} is not a GGUF file (it does not start with b'GGUF')"
     assert "Traceback" not in done.stderr
+
+
+def test_the_climb_on_smollm2_checks_its_vocabulary_and_keeps_its_results_apart(smollm2) -> None:
+    from benchmarks.harness.profiles import get_profile
+
+    plain, real = get_profile("cpu"), get_profile("cpu", "smollm2")
+    assert plain.results_name == "cpu" and plain.vocab_size == 258
+    assert real.results_name == "cpu-smollm2" and real.vocab_size == smollm2.model.config.vocab_size
+    assert [a for a in real.server_args() if a.startswith("--weights")] == ["--weights=smollm2"]
+    assert real.levels == plain.levels

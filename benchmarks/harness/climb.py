@@ -28,7 +28,7 @@ from benchmarks.harness.article import ARTICLE_CHAPTERS
 from benchmarks.harness.calibration import model_flags
 from benchmarks.harness.environment import collect_environment
 from benchmarks.harness.loadgen import LevelPlan, OpenLevelPlan, run_level, run_open_level
-from benchmarks.harness.profiles import Profile
+from benchmarks.harness.profiles import Profile, with_weights
 from benchmarks.harness.results import (
     REPO_ROOT,
     RESULTS_ROOT,
@@ -75,7 +75,7 @@ def climb_order(selected: Sequence[str] | None = None) -> list[str]:
 
 
 def results_dir(profile: Profile, out_dir: Path | None = None) -> Path:
-    return out_dir if out_dir is not None else RESULTS_ROOT / profile.name
+    return out_dir if out_dir is not None else RESULTS_ROOT / profile.results_name
 
 
 def server_args_for(profile: Profile, extra_args: Sequence[str] = (), weights: str | None = None) -> list[str]:
@@ -239,7 +239,7 @@ def run_chapter(
     The server gets the profile's cores, thread settings and model flags, then ``extra_server_args``
     (a variant such as ``--workers=2``, which should then get its own ``label``).
     """
-    label = label or chapter
+    profile, label = with_weights(profile, weights), label or chapter
     chosen_workload = get_workload(workload)
     chosen_levels = list(levels) if levels is not None else list(profile.levels)
     directory = results_dir(profile, out_dir)
@@ -362,7 +362,7 @@ def run_open_loop(
     on one server; stop after the first rate that breaks the profile's bounds. Writes
     ``<out>/openloop/<label>.json``; returns the result and its path. ``loadgen_workers`` N >= 1 splits
     each rate between N Locust workers (their arrivals add up to the rate)."""
-    settings = profile.open_loop
+    profile, settings = with_weights(profile, weights), profile.open_loop
     if settings is None:
         raise ValueError(f"the {profile.name!r} profile has no open-loop settings")
     label = label or chapter

@@ -11,6 +11,9 @@
            4-12 s a level: the six chapters fit one 10-minute run on a lent GPU.
 ``auto``   ``gpu`` where torch sees CUDA, else ``cpu``.
 
+``--weights`` serves other weights under a profile's loads (:func:`with_weights`): ``--weights smollm2``
+on ``cpu`` measures SmolLM2-135M-Instruct, its results kept apart in ``cpu-smollm2``.
+
 Each profile also has its open-loop sweep (:class:`OpenLoopSettings`, ``python -m benchmarks openloop``).
 
 Fairness: every chapter of a profile runs with the same model flags, the same ``--torch-threads``
@@ -22,7 +25,8 @@ server's CPU (2 cores: server on core 0, Locust on core 1).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 GPT2_WEIGHTS_ENV = "SFS_BENCH_GPT2_WEIGHTS"
 TINY_VOCAB = 258
@@ -70,6 +74,12 @@ class Profile:
     request_timeout_s: float = 120.0
     extra_env: tuple[tuple[str, str], ...] = ()  # more settings for every server, as SFS_* variables
     open_loop: OpenLoopSettings | None = None  # the open-loop sweep (python -m benchmarks openloop)
+    model: str = ""  # the served weights' short name where they are not the profile's own (with_weights)
+
+    @property
+    def results_name(self) -> str:
+        """The folder of this profile's results: its name, then the model's where it serves other weights."""
+        return f"{self.name}-{self.model}" if self.model else self.name
 
     def thread_env(self) -> dict[str, str]:
         """Thread variables for the server: native libraries must not spread beyond the budget either."""
@@ -168,5 +178,24 @@ def resolve_profile_name(name: str) -> str:
     return "gpu" if torch.cuda.is_available() else "cpu"
 
 
-def get_profile(name: str) -> Profile:
-    return build_profiles()[resolve_profile_name(name)]
+def weights_name(weights: str) -> str:
+    """A short name for ``--weights``: ``smollm2``, or a file's or directory's own name without its suffix."""
+    return weights if weights in ("smollm2", "dummy", "default") else Path(weights).stem or Path(weights).name
+
+
+def with_weights(profile: Profile, weights: str | None) -> Profile:
+    """``profile`` serving ``weights`` under the same loads: answers checked against that model's vocabulary,
+    results named for it. ``None`` or the profile's own weights: ``profile`` itself."""
+    args = [a for a in profile.model_args if not a.startswith("--weights")]
+    if weights is None or f"--weights={weights}" in profile.model_args:
+        return profile
+    from shared.weights import weights_config
+
+    preset = next((a.split("=", 1)[1] for a in args if a.startswith("--preset=")), "tiny")
+    return replace(profile, model_args=(*args, f"--weights={weights}"), model=weights_name(weights),
+                   vocab_size=weights_config(weights, preset).vocab_size)
+
+
+def get_profile(name: str, weights: str | None = None) -> Profile:
+    """The profile ``name`` (``auto`` resolved), serving ``weights`` where given (:func:`with_weights`)."""
+    return with_weights(build_profiles()[resolve_profile_name(name)], weights)

@@ -139,6 +139,9 @@ PARTIAL_CLIMBS = {
     "climb-avx2": ("climb-avx2", "`python -m benchmarks climb --profile cpu --repeat 3 --out benchmarks/reference/cpu/climb-avx2` "
                    "(three interleaved rounds, each chapter's median run kept; `climb.log` beside the results is the command's "
                    "output, every round's every level)"),
+    "climb-smollm2": ("climb-smollm2", "`make climb WEIGHTS=smollm2 REPEAT=1`, copied to `benchmarks/reference/cpu/climb-smollm2` "
+                      "(one round: the default workload's loads with SmolLM2-135M-Instruct served; `climb.log` beside the "
+                      "results is the command's output)"),
 }
 
 

@@ -3,16 +3,19 @@
 A CPU with AVX512-BF16 or AMX multiplies bf16 in hardware at up to twice fp32's rate, but each call
 has a fixed cost; for a few rows (a decode step at batch 1) fp32 is faster. So each block's linear
 layers measure, once at start-up, where bf16 starts to win, and use it from there on. Everything
-else (LayerNorm, softmax, attention, the KV cache) stays fp32, except inside the MLP: there the
-4x-wide activation between the two products stays bf16, and GELU is fused into the first product
-(:class:`Bf16MLP`). The bf16 weights are kept in the blocked layout oneDNN's kernel reads
-(:func:`onednn_layout`), so no product rearranges them again.
+else (the norms, softmax, rotary positions, attention, the KV cache) stays fp32, except inside the
+MLP: there the wide activation between the products stays bf16, with GELU fused into the first
+product (:class:`Bf16MLP`, the GPT's) or SiLU(gate) * up computed on it in bf16
+(:class:`Bf16GatedMLP`, the Llama's). The bf16 weights are kept in the blocked layout oneDNN's
+kernel reads (:func:`onednn_layout`), so no product rearranges them again. Which linear layers a
+block has is one table, :data:`BLOCK_LINEARS`, one row per model family.
 """
 
 from __future__ import annotations
 
 import copy
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -20,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from shared.model import GPT, MLP
+from shared.llama import LlamaMLP
+from shared.model import MLP, DecoderModel
 
 NEVER = 2**62  # a row count no call reaches: bf16 never used
 # bf16 products run on a row count rounded up to a multiple of this: oneDNN builds (JIT-compiles) a kernel
@@ -87,6 +91,52 @@ class Bf16MLP(nn.Module):
             return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
         hidden = linear_gelu_bf16(bf16_rows(x), self.c_fc.weight_bf16, self.c_fc.bias_bf16)
         return _unpadded(linear_bf16(hidden, self.c_proj.weight_bf16, self.c_proj.bias_bf16), x)
+
+
+class Bf16GatedMLP(nn.Module):
+    """A Llama block's gated MLP whose large calls stay bf16 from the gate/up product to the down product.
+
+    :class:`Bf16MLP`'s shape for ``down(silu(gate) * up)``: one bf16 product for gate and up together
+    (their weights are one matrix), SiLU(gate) * up computed on its bf16 output, and the down product
+    reading that bf16 hidden activation as it is. SiLU cannot be the fused product's post-op, as GELU
+    is the GPT's: it applies to the gate's half of the columns only. (Two products, gate with a SiLU
+    post-op and up with a multiplying one, would fuse it; they were not faster on the CPU this was
+    measured on, since the element-wise pass is small next to the products.) Calls below ``min_rows``
+    take the fp32 path, exactly :class:`~shared.llama.LlamaMLP`'s.
+    """
+
+    def __init__(self, mlp: LlamaMLP, min_rows: int) -> None:
+        super().__init__()
+        self.gate_up_proj = Bf16MatmulLinear(mlp.gate_up_proj, min_rows)
+        self.down_proj = Bf16MatmulLinear(mlp.down_proj, min_rows)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.numel() < self.gate_up_proj.min_rows * self.gate_up_proj.in_features:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
+        gate, up = linear_bf16(bf16_rows(x), self.gate_up_proj.weight_bf16, self.gate_up_proj.bias_bf16).chunk(2, dim=-1)
+        hidden = F.silu(gate) * up
+        return _unpadded(linear_bf16(hidden, self.down_proj.weight_bf16, self.down_proj.bias_bf16), x)
+
+
+@dataclass(frozen=True)
+class BlockLinears:
+    """Where one family's transformer block keeps the linear layers that multiply in bf16.
+
+    Paths are attribute paths inside a block (``block.get_submodule(path)``).
+    """
+
+    attention: tuple[str, ...]  # the projections into and out of attention: each a Bf16MatmulLinear
+    mlp: str  # the MLP, replaced whole by ``bf16_mlp``
+    bf16_mlp: type[nn.Module]  # built as ``bf16_mlp(mlp, min_rows)``
+    widest: str  # the layer the crossover is measured on: the MLP's first product, the widest
+
+
+BLOCK_LINEARS: dict[str, BlockLinears] = {
+    "gpt2": BlockLinears(attention=("attn.c_attn", "attn.c_proj"), mlp="mlp", bf16_mlp=Bf16MLP, widest="mlp.c_fc"),
+    "llama": BlockLinears(attention=("self_attn.qkv_proj", "self_attn.o_proj"), mlp="mlp", bf16_mlp=Bf16GatedMLP,
+                          widest="mlp.gate_up_proj"),
+}
 
 
 def _onednn_linear():
@@ -214,22 +264,24 @@ def _median_us(call, repeats: int) -> float:
     return sorted(samples)[len(samples) // 2]
 
 
-def with_bf16_matmuls(model: GPT, min_rows: int | None = None) -> GPT:
+def with_bf16_matmuls(model: DecoderModel, min_rows: int | None = None) -> DecoderModel:
     """``model`` (changed in place) with every transformer-block linear layer a :class:`Bf16MatmulLinear`,
-    the MLP's two inside a :class:`Bf16MLP`.
+    the MLP's inside its family's bf16 MLP (:data:`BLOCK_LINEARS`).
 
     ``min_rows=None`` measures the crossover on the widest layer (:func:`bf16_crossover_rows`) and
     records it on the model as ``bf16_tuning``; where bf16 never won, every product stays fp32 (and
-    the notes say so). The embedding and the output projection tied to it stay fp32: the first is
-    a lookup, the second decides the argmax.
+    the notes say so). The embedding and the output layer stay fp32: the first is a lookup, the
+    second decides the argmax.
     """
+    linears = BLOCK_LINEARS[model.config.family]
     timings: dict[int, tuple[float, float]] = {}
     if min_rows is None:
-        measured, timings = bf16_crossover_rows(model.h[0].mlp.c_fc)
+        measured, timings = bf16_crossover_rows(model.blocks[0].get_submodule(linears.widest))
         min_rows = measured if measured is not None else NEVER
-    for block in model.h:
-        block.attn.c_attn, block.attn.c_proj = (Bf16MatmulLinear(layer, min_rows) for layer in (block.attn.c_attn, block.attn.c_proj))
-        block.mlp = Bf16MLP(block.mlp, min_rows)
+    for block in model.blocks:
+        for path in linears.attention:
+            block.set_submodule(path, Bf16MatmulLinear(block.get_submodule(path), min_rows))
+        block.set_submodule(linears.mlp, linears.bf16_mlp(block.get_submodule(linears.mlp), min_rows))
     model.bf16_tuning = {"min_rows": min_rows, "timings_us": timings}
     return model.eval()
 

@@ -23,7 +23,7 @@ from chapters.ch05_inference_engine.engine import (
     cast_model,
     warm_up,
 )
-from shared.model import GPT
+from shared.model import DecoderModel
 from shared.paths import ENGINE_CACHE_DIR
 
 def compile_mode(device: torch.device) -> str:
@@ -32,7 +32,7 @@ def compile_mode(device: torch.device) -> str:
     return "reduce-overhead" if device.type == "cuda" else "default"
 
 
-def build_compiled(model: GPT, precision: str, warmup_batch: int = 2) -> TorchModuleEngine:
+def build_compiled(model: DecoderModel, precision: str, warmup_batch: int = 2) -> TorchModuleEngine:
     """``torch.compile`` of the (cast) model, warmed up so the compilation cost is paid and measured here.
 
     ``dynamic=True`` makes batch size and sequence length symbolic, so a new length does not
@@ -71,7 +71,7 @@ def _allow_enough_recompiles() -> None:
     """Start Dynamo afresh and let it keep enough versions of the forward.
 
     Dynamo keeps at most ``recompile_limit`` (default 8) compiled versions of one function (here
-    GPT.forward and the blocks it calls, shared by every model instance), then silently falls back
+    the model's forward and the blocks it calls, shared by every model instance), then silently falls back
     to eager. The forward gets a version per cache type, first call or not, mask or not, batch 1 or
     more, and per model instance, which passes 8 quickly. ``reset`` forgets the versions of engines
     built earlier in this process (they recompile if called again); the server builds only one.

@@ -12,8 +12,9 @@ gpt-fast and nano-vllm do, done here for this repository's model:
   key and value go to, and the keys and values themselves.
 - **Static KV buffers in the pool's layout.** The keys and values live in one range of a chapter 4
   :class:`~chapters.ch04_memory_pool.memory_pool.KVMemoryPool`, taken once: per layer a
-  ``(largest bucket, heads, max_len, head_dim)`` view of it, as :class:`PooledKVCache` views its
-  range. Bucket ``b`` uses the first ``b`` rows of the same views, so one range serves every graph.
+  ``(largest bucket, kv_heads, max_len, head_dim)`` view of it, as :class:`PooledKVCache` views its
+  range (the key/value heads: fewer than the query heads under a Llama's grouped-query attention).
+  Bucket ``b`` uses the first ``b`` rows of the same views, so one range serves every graph.
 - **Padding up to the bucket.** A batch of 5 rows runs in the 8-row graph: rows 5-7 get token 0 at
   position 0, see only their own new key (no fully masked row, so no NaN), and their logits are
   dropped. Rows never mix in a decoder (attention is within a row), so they cannot change real rows.
@@ -65,7 +66,7 @@ from chapters.ch05_inference_engine.engine import (
     _check_16bit_supported,
     cast_model,
 )
-from shared.model import GPT, KVCache
+from shared.model import DecoderModel, KVCache
 from shared.schemas import ValidRequest
 
 DEFAULT_BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -187,8 +188,8 @@ class StaticSlotCache:
 class CudaGraphEngine(Engine):
     """Decode through static-shape steps, captured as CUDA graphs (``capture=True``) or run directly.
 
-    ``module`` is the (already cast) GPT. ``batch_buckets`` and ``length_buckets`` (ascending) are
-    the static shapes; ``max_len`` (the longest sequence a batch may reach) defaults to the model's
+    ``module`` is the (already cast) model, of either family. ``batch_buckets`` and ``length_buckets``
+    (ascending) are the static shapes; ``max_len`` (the longest sequence a batch may reach) defaults to the model's
     context. The static keys and values are one range of ``pool`` (a chapter 4 pool in this
     engine's dtype), or of a pool made for them when ``pool`` is None.
     ``stats`` counts graph replays, uncaptured static steps, eager steps and adoptions.
@@ -198,7 +199,7 @@ class CudaGraphEngine(Engine):
 
     def __init__(
         self,
-        module: GPT,
+        module: DecoderModel,
         precision: str,
         *,
         capture: bool,
@@ -222,13 +223,13 @@ class CudaGraphEngine(Engine):
         self.max_rows = self.batch_buckets[-1]
         self.stats = {"graph_replays": 0, "uncaptured_static_steps": 0, "eager_steps": 0, "adoptions": 0}
 
-        # The static KV buffers: one pool range, viewed per layer as (max_rows, H, max_len, D).
+        # The static KV buffers: one pool range, viewed per layer as (max_rows, H_kv, max_len, D).
         slots = self.max_rows * self.max_len
         self.pool = pool if pool is not None else KVMemoryPool(config, slots, block_tokens=self.max_len, device=device, dtype=self.dtype)
         if self.pool.dtype != self.dtype or self.pool.device != device:
             raise ValueError(f"the pool holds {self.pool.dtype} on {self.pool.device}; this engine needs {self.dtype} on {device}")
         self.block_range: BlockRange = self.pool.allocator.allocate(self.pool.blocks_for(slots))
-        shape = (self.max_rows, config.n_head, self.max_len, config.head_dim)
+        shape = (self.max_rows, config.kv_heads, self.max_len, config.head_dim)
         self.static_keys = [self.pool.plane(self.block_range, layer, 0, slots).view(shape) for layer in range(config.n_layer)]
         self.static_values = [self.pool.plane(self.block_range, layer, 1, slots).view(shape) for layer in range(config.n_layer)]
 
@@ -317,22 +318,26 @@ class CudaGraphEngine(Engine):
         """One decode step for ``rows`` rows (a bucket) over ``columns`` key columns, reading only the
         static buffers and writing the new keys, values and logits into them: what a graph records.
 
-        GPT's forward is not reused because it builds its mask from the cache's Python ``seq_len``,
-        which a graph would freeze; here the write column and the mask are tensors. The arithmetic
-        is the model's (same submodules, same SDPA); only the attention covers ``columns`` columns,
-        the ones past each row's sequence masked out.
+        The model's forward is not reused because it builds its mask from the cache's Python
+        ``seq_len``, which a graph would freeze; here the write column and the mask are tensors. The
+        arithmetic is the model's, through the pieces every family offers (``embed``, each block's
+        ``attention_inputs`` and ``after_attention``, ``head``), with the same SDPA; only the
+        attention covers ``columns`` columns, the ones past each row's sequence masked out.
         """
         model = self.module
         mask = self._mask[:rows, :, :, :columns]
-        x = model.wte(self._ids[:rows]) + model.wpe(self._positions[:rows])
-        for layer, block in enumerate(model.h):
-            q, k, v = block.attn.heads(block.qkv(x))
+        positions = self._positions[:rows]
+        grouped = self.config.kv_heads != self.config.n_head  # each key/value head serves several query heads
+        x = model.embed(self._ids[:rows], positions)
+        for layer, block in enumerate(model.blocks):
+            q, k, v = block.attention_inputs(x, positions)
             keys, values = self.static_keys[layer][:rows], self.static_values[layer][:rows]
             keys.index_copy_(2, self._write_column, k)
             values.index_copy_(2, self._write_column, v)
-            y = F.scaled_dot_product_attention(q, keys[:, :, :columns], values[:, :, :columns], attn_mask=mask)
+            y = F.scaled_dot_product_attention(q, keys[:, :, :columns], values[:, :, :columns], attn_mask=mask,
+                                               enable_gqa=grouped)
             x = block.after_attention(x, y)
-        self._logits[:rows].copy_(F.linear(model.ln_f(x), model.wte.weight)[:, -1, :])
+        self._logits[:rows].copy_(model.head(x)[:, -1, :])
 
     def _run(self, bucket: int, columns: int) -> Tensor:
         if self.captured:
@@ -433,7 +438,7 @@ class CudaGraphEngine(Engine):
 
 
 def build_cudagraph(
-    model: GPT,
+    model: DecoderModel,
     precision: str,
     *,
     batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from chapters.ch03_dynamic_batching.batched_generation import batched_greedy
 from chapters.ch05_inference_engine.bf16_matmul import NEVER, with_bf16_matmuls
-from shared.model import GPT, KVCache, ModelConfig
+from shared.model import DecoderModel, KVCache, ModelConfig
 
 ENGINES = ("eager", "compile", "onnxruntime", "tensorrt", "cudagraph")
 PRECISIONS = ("fp32", "fp16", "bf16", "int8")
@@ -117,7 +117,7 @@ class Engine:
 
 
 class TorchModuleEngine(Engine):
-    """An engine that is a PyTorch module with GPT's forward: eager, compiled, or TensorRT-compiled.
+    """An engine that is a PyTorch module with the model's forward: eager, compiled, or TensorRT-compiled.
 
     Both steps call the module's forward (a compiled module is compiled there), last position only.
     """
@@ -148,13 +148,13 @@ def torchao_missing_reason() -> str | None:
     return None
 
 
-def cast_model(model: GPT, precision: str) -> GPT:
+def cast_model(model: DecoderModel, precision: str) -> DecoderModel:
     """A copy of ``model`` at ``precision``; the original is never touched.
 
     fp16 / bf16: every weight cast, so activations and the KV cache are 16-bit too. Except bf16 on
     the CPU: only the big matrix products run in bf16 (:func:`with_bf16_matmuls`), the rest in fp32.
-    int8: torchao's ``quantize_`` on every ``nn.Linear`` (the tied embedding / output projection and
-    the LayerNorms stay fp32). On the CPU: ``Int8DynamicActivationInt8WeightConfig`` (weights int8
+    int8: torchao's ``quantize_`` on every ``nn.Linear`` of the blocks (the embedding, the norms and
+    the output layer, tied or not, stay fp32: the last decides the argmax). On the CPU: ``Int8DynamicActivationInt8WeightConfig`` (weights int8
     per channel, each activation row quantized at run time, int8 x int8 matmuls). On CUDA:
     ``Int8WeightOnlyConfig`` (weights int8, dequantized inside the matmul; decode on a GPU is
     bound by reading weights, so halving their bytes is what pays there).
@@ -180,7 +180,8 @@ def cast_model(model: GPT, precision: str) -> GPT:
     )
 
     config = Int8WeightOnlyConfig() if model.device.type == "cuda" else Int8DynamicActivationInt8WeightConfig()
-    quantize_(converted, config)
+    for block in converted.blocks:
+        quantize_(block, config)
     return converted.eval()
 
 
@@ -194,7 +195,7 @@ def _check_16bit_supported(precision: str, device: torch.device) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def build_eager(model: GPT, precision: str) -> TorchModuleEngine:
+def build_eager(model: DecoderModel, precision: str) -> TorchModuleEngine:
     _check_16bit_supported(precision, model.device)
     started = time.perf_counter()
     converted = model if precision == "fp32" else cast_model(model, precision)

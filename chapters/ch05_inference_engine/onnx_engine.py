@@ -2,6 +2,8 @@
 
 ``torch.onnx.export(dynamo=True)`` writes a prefill graph and a decode graph (past keys and values
 as inputs, the new ones as outputs); ONNX Runtime runs them with its graph optimizer on (fusions).
+Either model family exports the same way: the graphs take the position ids (a GPT's position table,
+a Llama's rotary angles) and keys and values of the model's key/value heads (``config.kv_heads``).
 CPU execution provider; CUDA provider where present. int8 by ``quantize_dynamic``. Artifacts live
 under ``.cache/engines/`` (gitignored), keyed by a fingerprint of the weights, so a second start
 reuses them.
@@ -23,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from chapters.ch05_inference_engine.engine import ConversionReport, Engine, EngineUnavailable
-from shared.model import GPT, KVCache, ModelConfig
+from shared.model import DecoderModel, KVCache, ModelConfig
 from shared.paths import ENGINE_CACHE_DIR, REPO_ROOT
 
 def onnxruntime_missing_reason() -> str | None:
@@ -60,13 +62,13 @@ class _GraphCache:
 
 
 class _ExportedStep(nn.Module):
-    """GPT's forward with the cache turned inside out: ``(ids, positions, mask, *past) -> (logits, *new kv)``.
+    """The model's forward with the cache turned inside out: ``(ids, positions, mask, *past) -> (logits, *new kv)``.
 
-    ``logits`` is (B, V) for the last position; new keys/values are (B, H, T, D), layer by layer,
+    ``logits`` is (B, V) for the last position; new keys/values are (B, H_kv, T, D), layer by layer,
     key then value. The model's own forward runs unchanged: the graph is the lesson's model.
     """
 
-    def __init__(self, model: GPT) -> None:
+    def __init__(self, model: DecoderModel) -> None:
         super().__init__()
         self.model = model
 
@@ -85,7 +87,7 @@ def _kv_names(prefix: str, n_layer: int) -> list[str]:
     return [f"{prefix}_{kind}_{layer}" for layer in range(n_layer) for kind in ("key", "value")]
 
 
-def weights_fingerprint(model: GPT) -> str:
+def weights_fingerprint(model: DecoderModel) -> str:
     """A short hash of the configuration and every weight: the cache key of converted artifacts."""
     digest = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True).encode())
     for name, tensor in sorted(model.state_dict().items()):
@@ -94,15 +96,17 @@ def weights_fingerprint(model: GPT) -> str:
     return digest.hexdigest()[:16]
 
 
-def export_onnx(model: GPT, directory: Path) -> tuple[Path, Path]:
+def export_onnx(model: DecoderModel, directory: Path) -> tuple[Path, Path]:
     """Write ``prefill.onnx`` and ``decode.onnx`` (fp32) for ``model`` into ``directory``.
 
     Uses the maintained exporter (``torch.onnx.export(dynamo=True)``, built on ``torch.export``;
     needs ``onnxscript``). Batch size, prompt length and past length are symbolic dimensions, so
-    one pair of graphs serves every batch. The decode graph takes exactly one new token per row.
+    one pair of graphs serves every batch. The decode graph takes exactly one new token per row, and
+    each layer's past keys and values as (B, H_kv, P, D): the key/value heads, fewer than the query
+    heads under grouped-query attention.
     """
     config = model.config
-    n_layer, heads, head_dim = config.n_layer, config.n_head, config.head_dim
+    n_layer, kv_heads, head_dim = config.n_layer, config.kv_heads, config.head_dim
     cpu_model = copy.deepcopy(model).float().cpu().eval()
     step = _ExportedStep(cpu_model)
     batch_dim = torch.export.Dim("batch", min=1, max=4096)
@@ -121,7 +125,7 @@ def export_onnx(model: GPT, directory: Path) -> tuple[Path, Path]:
     # Decode: one token per row, P positions cached (the mask covers P + 1).
     past_dim = torch.export.Dim("past", min=1, max=config.n_ctx - 1)
     past_len = 5
-    past = tuple(torch.zeros((2, heads, past_len, head_dim)) for _ in range(2 * n_layer))
+    past = tuple(torch.zeros((2, kv_heads, past_len, head_dim)) for _ in range(2 * n_layer))
     ids = torch.zeros((2, 1), dtype=torch.long)
     mask = torch.ones((2, past_len + 1), dtype=torch.long)
     _export(step, (ids, torch.full((2, 1), past_len), mask, *past), decode_path,
@@ -243,7 +247,7 @@ def count_onnx_ops(path: Path) -> dict[str, int]:
     return dict(sorted(counts.items(), key=lambda item: -item[1]))
 
 
-def build_onnxruntime(model: GPT, precision: str, cache_dir: Path = ENGINE_CACHE_DIR) -> OnnxRuntimeEngine:
+def build_onnxruntime(model: DecoderModel, precision: str, cache_dir: Path = ENGINE_CACHE_DIR) -> OnnxRuntimeEngine:
     """Export (or reuse from ``cache_dir``) the two graphs, quantize for int8, open the sessions."""
     reason = onnxruntime_missing_reason() or _onnx_precision_reason(precision, model.device)
     if reason:

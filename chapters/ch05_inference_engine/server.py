@@ -41,10 +41,10 @@ from chapters.ch04_memory_pool.server import AdmissionOptions, PoolOptions, admi
 from chapters.ch05_inference_engine.cudagraph_engine import CudaGraphEngine, StaticCacheRunner, build_cudagraph, static_shape_in
 from chapters.ch05_inference_engine.engine import Engine
 from chapters.ch05_inference_engine.engines import build_engine, resolve_engine
-from shared.devices import choose_device, set_threads
+from shared.devices import set_threads
 from shared.settings import ServerSettings, parse_settings, refused_flags_exit
 from shared.unwritten import or_meanwhile
-from shared.weights import LoadedModel, load_model
+from shared.weights import LoadedModel, load_served_model
 
 log = logging.getLogger("chapters.ch05_inference_engine")
 
@@ -106,7 +106,7 @@ def pooled_runner(settings: EngineSettings, loaded: LoadedModel, name: str, prec
 
 def build_app(settings: EngineSettings) -> FastAPI:
     set_threads(settings.torch_threads)
-    loaded = load_model(settings.weights, settings.preset, choose_device(settings.device), settings.torch_dtype)
+    loaded = load_served_model(settings)
     runner = runner_for(settings, loaded)
     batcher = DynamicBatcher(runner, settings.batcher_config(), describe_row=request_row)
     backend = PooledBackend(

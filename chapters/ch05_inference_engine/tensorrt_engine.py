@@ -20,7 +20,7 @@ from chapters.ch05_inference_engine.engine import (
     cast_model,
     warm_up,
 )
-from shared.model import GPT
+from shared.model import DecoderModel
 
 def tensorrt_missing_reason(device: torch.device) -> str | None:
     """None when Torch-TensorRT can run here; else the reason, in words."""
@@ -32,7 +32,7 @@ def tensorrt_missing_reason(device: torch.device) -> str | None:
     return None
 
 
-def build_tensorrt(model: GPT, precision: str) -> TorchModuleEngine:
+def build_tensorrt(model: DecoderModel, precision: str) -> TorchModuleEngine:
     """Torch-TensorRT through its ``torch.compile`` backend (no machine this project was measured
     on had ``torch_tensorrt``: the README's tables say where it was unavailable and why).
 

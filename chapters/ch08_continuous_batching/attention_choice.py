@@ -28,7 +28,7 @@ from chapters.ch08_continuous_batching.paged_cache import PagedKVStore
 from chapters.ch08_continuous_batching.scheduler import ScheduledRow, Sequence
 from chapters.ch08_continuous_batching.startup_cache import choose_once, machine_key, model_key, pick_within_margin, round_order
 from shared.devices import synchronize
-from shared.model import GPT
+from shared.model import DecoderModel
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def build_attention(name: str, store: PagedKVStore) -> PagedAttention:
     return BACKENDS[name](store)
 
 
-def choose_attention(name: str, store: PagedKVStore, model: GPT, max_num_seqs: int, remeasure: bool = False) -> PagedAttention:
+def choose_attention(name: str, store: PagedKVStore, model: DecoderModel, max_num_seqs: int, remeasure: bool = False) -> PagedAttention:
     """The backend ``name`` names, or for ``auto`` the one :data:`RULE` picks on this machine (cached); warmed up.
 
     Warm-up runs a decode step of every batch size bucket up to ``max_num_seqs`` (16, 32, 64, ...),
@@ -83,7 +83,7 @@ def choose_attention(name: str, store: PagedKVStore, model: GPT, max_num_seqs: i
     return chosen
 
 
-def _by_the_rule(store: PagedKVStore, model: GPT, max_num_seqs: int, remeasure: bool = False) -> PagedAttention:
+def _by_the_rule(store: PagedKVStore, model: DecoderModel, max_num_seqs: int, remeasure: bool = False) -> PagedAttention:
     names = [name for name in BACKENDS if name == "gather" or not _unavailable(name)]
     key = {**machine_key(), **model_key(model), "kv": str(store.pool.storage.dtype), "device": str(store.device),
            "block_tokens": store.block_tokens, "blocks": store.manager.total_blocks, "rows": max_num_seqs,
@@ -98,7 +98,7 @@ def _unavailable(name: str) -> str | None:
     return reason
 
 
-def _measure(store: PagedKVStore, model: GPT, max_num_seqs: int, names: list[str]) -> dict:
+def _measure(store: PagedKVStore, model: DecoderModel, max_num_seqs: int, names: list[str]) -> dict:
     log.info("decode attention: no measured choice for this machine and these settings; building %s (compiled at a first "
              "start, then cached)", ", ".join(names))
     candidates = {}
@@ -127,7 +127,7 @@ def scattered_decode_inputs(store: PagedKVStore, contexts: list[int], rng: rando
     return prepare_inputs(store, rows, len(rows)), seqs
 
 
-def measure_decode_steps(model: GPT, store: PagedKVStore, backends: dict[str, PagedAttention], sequences: int,
+def measure_decode_steps(model: DecoderModel, store: PagedKVStore, backends: dict[str, PagedAttention], sequences: int,
                          rounds: int = PROBE_ROUNDS, leave_out_failing: bool = False) -> dict[str, list[float]]:
     """Seconds of one packed decode step of ``sequences`` rows through each backend, one per round (the rule's probe).
 

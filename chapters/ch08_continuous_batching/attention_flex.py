@@ -23,10 +23,11 @@ class FlexAttention(PagedAttention):
 
     Layout (found by measuring the CPU kernel, torch 2.13): each decode row is its own batch element,
     queries ``(B, H, 1, D)`` with B the row count rounded up to a bucket (padding rows list no block
-    and are skipped); keys and values are the pool's plane seen as ``(1, H, slots, D)`` without a
-    copy (a strided view, broadcast over the batch). The ``BlockMask`` lists, per row, the blocks
-    wholly before its position as FULL blocks (no mask evaluated) and the block holding its
-    position as the one PARTIAL block, where ``mask_mod`` keeps offsets up to the position's.
+    and are skipped); keys and values are the pool's plane seen as ``(1, H_kv, slots, D)`` without a
+    copy (a strided view, broadcast over the batch; ``enable_gqa`` maps each query head to its
+    key/value head, and the mask, one head wide, serves every head). The ``BlockMask`` lists, per
+    row, the blocks wholly before its position as FULL blocks (no mask evaluated) and the block
+    holding its position as the one PARTIAL block, where ``mask_mod`` keeps offsets up to the position's.
     The KV block of the mask must be the pool's block (the kernel's split size), a power of two.
 
     The mask's tensors and ``mask_mod`` are made once per bucket and overwritten in place each
@@ -97,10 +98,10 @@ class FlexAttention(PagedAttention):
 
         def decode(layer: int, q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> None:
             self.write(layer, k, v, slots)
-            keys, values = (self.store.plane(layer, kv).view(-1, self.heads, self.head_dim).permute(1, 0, 2)[None] for kv in (0, 1))
+            keys, values = (self.store.plane(layer, kv).view(-1, self.kv_heads, self.head_dim).permute(1, 0, 2)[None] for kv in (0, 1))
             queries = keys.new_zeros(bucket.rows, self.heads, 1, self.head_dim)  # in the cache's dtype
             queries[:rows, :, 0] = q[0].transpose(0, 1)
-            y = self._flex(queries, keys, values, block_mask=bucket.block_mask, kernel_options=options)
+            y = self._flex(queries, keys, values, block_mask=bucket.block_mask, kernel_options=options, enable_gqa=self.grouped)
             out[0] = y[:rows, :, 0].transpose(0, 1)
 
         return decode

@@ -17,7 +17,8 @@ from chapters.ch08_continuous_batching.paged_attention import DecodeAttend, Pack
 
 
 class GatherAttention(PagedAttention):
-    """Copy each decode row's history out of its blocks into a padded batch, then SDPA."""
+    """Copy each decode row's history out of its blocks into a padded batch, then SDPA (its key/value heads
+    only: SDPA's ``enable_gqa`` lets each group of query heads read its key/value head where it lies)."""
 
     name = "gather"
 
@@ -34,9 +35,9 @@ class GatherAttention(PagedAttention):
         def decode(layer: int, q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> None:
             self.write(layer, k, v, slots)
             keys, values = (self.blocks(layer, kv).index_select(0, blocks)
-                            .view(rows, width, self.heads, self.head_dim).transpose(1, 2) for kv in (0, 1))
+                            .view(rows, width, self.kv_heads, self.head_dim).transpose(1, 2) for kv in (0, 1))
             queries = q[0].transpose(0, 1)[:, :, None].to(keys.dtype)  # (rows, H, 1, D), the cache's dtype
-            y = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)
+            y = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=self.grouped)
             out[0] = y[:, :, 0].transpose(0, 1)
 
         return decode

@@ -33,7 +33,7 @@ KERNEL_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC")
 KERNEL_FUNCTIONS = {torch.float32: "paged_decode_fp32", torch.bfloat16: "paged_decode_bf16"}
 _POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
 KERNEL_ARGUMENTS = [_POINTER, _POINTER, _POINTER, _INT, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _INT, _POINTER,
-                    _INT, _INT, _INT, _INT, ctypes.c_float, _POINTER, _POINTER, _INT]  # paged_decode.c's signature
+                    _INT, _INT, _INT, _INT, _INT, ctypes.c_float, _POINTER, _POINTER, _INT]  # paged_decode.c's signature
 
 
 class KernelUnavailable(RuntimeError):
@@ -78,7 +78,7 @@ def _kernel_library() -> ctypes.CDLL:
 
 
 def scores_scratch(heads: int, longest: int) -> Tensor:
-    """The kernel's ``logits`` scratch for rows of up to ``longest`` positions: one row's scores, every head, each
+    """The kernel's ``logits`` scratch for rows of up to ``longest`` positions: one row's scores, every query head, each
     padded to whole vectors (``paged_decode.c`` writes and reads them a vector, up to 16 floats, at a time)."""
     return torch.empty(heads * (longest + 16), dtype=torch.float32)
 
@@ -90,7 +90,8 @@ class KernelAttention(PagedAttention):
     tables one int32 tensor (rows, widest), offset to the pool's first block, and their context
     lengths; each layer then makes ONE kernel call for every row, reading the queries, keys and values
     where the model computed them and writing the output where the model's next linear layer reads it
-    (no copy on either side).
+    (no copy on either side, where queries, keys and values share their token and head strides: else
+    fp32 copies of the step's new ones). Query head ``h`` reads key/value head ``h // (heads / kv_heads)``.
     """
 
     name = "kernel"
@@ -132,12 +133,12 @@ class KernelAttention(PagedAttention):
         lens_tensor, slots = torch.tensor(lens, dtype=torch.int32), inputs.slot_mapping[:rows].to(torch.int64).contiguous()
 
         def decode(layer: int, q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> None:
-            if q.dtype != torch.float32 or not (q.stride() == k.stride() == v.stride() and q.stride(3) == 1):
+            if q.dtype != torch.float32 or not (q.stride()[1:] == k.stride()[1:] == v.stride()[1:] and q.stride(3) == 1):
                 q, k, v = (t.to(torch.float32).contiguous() for t in (q, k, v))
             keys, values = self.store.plane(layer, 0), self.store.plane(layer, 1)
             self._decode(q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(2), q.stride(1), slots.data_ptr(),
                          keys.data_ptr(), values.data_ptr(), tables.data_ptr(), tables.shape[1], lens_tensor.data_ptr(),
-                         rows, self.heads, self.head_dim, size, self._scale, self._scratch.data_ptr(),
+                         rows, self.heads, self.kv_heads, self.head_dim, size, self._scale, self._scratch.data_ptr(),
                          out.data_ptr(), out.stride(2))
 
         return decode

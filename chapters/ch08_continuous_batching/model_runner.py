@@ -18,7 +18,7 @@ the layout through :class:`~chapters.ch08_continuous_batching.paged_attention.Pa
 backend :mod:`~chapters.ch08_continuous_batching.attention_choice` chose).
 
 The model is chapter 5's engine (what its rule chose on this machine), called through
-:meth:`shared.model.GPT.forward_packed`.
+:meth:`shared.model.DecoderModel.forward_packed` (either family: a GPT or a Llama).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from chapters.ch05_inference_engine.engine import Engine, EngineUnavailable, Tor
 from chapters.ch08_continuous_batching.paged_attention import PackedInputs, PagedAttention
 from chapters.ch08_continuous_batching.paged_cache import PagedKVStore
 from chapters.ch08_continuous_batching.scheduler import ScheduledRow
-from shared.model import GPT, Attend
+from shared.model import Attend, DecoderModel
 
 
 class RecordedSteps(Protocol):
@@ -46,18 +46,18 @@ class RecordedSteps(Protocol):
 
 
 class PackedModel(Protocol):
-    """A model that computes a packed step: :meth:`shared.model.GPT.forward_packed`'s signature."""
+    """A model that computes a packed step: :meth:`shared.model.DecoderModel.forward_packed`'s signature."""
 
     def forward_packed(self, input_ids: Tensor, position_ids: Tensor, attend: Attend, logits_indices: Tensor) -> Tensor: ...
 
 
 def runs_packed_steps(engine: Engine) -> bool:
     """Whether :func:`packed_model` can take ``engine``."""
-    return isinstance(engine, TorchModuleEngine) and isinstance(getattr(engine.module, "_orig_mod", engine.module), GPT)
+    return isinstance(engine, TorchModuleEngine) and isinstance(getattr(engine.module, "_orig_mod", engine.module), DecoderModel)
 
 
-def packed_model(engine: Engine) -> GPT:
-    """The module of chapter 5's ``engine`` that runs packed steps: eager or int8 or bf16-matmul GPT.
+def packed_model(engine: Engine) -> DecoderModel:
+    """The module of chapter 5's ``engine`` that runs packed steps: an eager, int8 or bf16-matmul decoder (GPT or Llama).
 
     A packed step is a PyTorch forward; engines that replaced the forward with an exported graph
     (ONNX Runtime, TensorRT) or a recorded one (CUDA graphs over static batch shapes) cannot run it.
@@ -115,8 +115,7 @@ class ModelRunner:
     def __init__(self, model: PackedModel, store: PagedKVStore, attention: PagedAttention, graphs: RecordedSteps | None = None) -> None:
         self.model, self.store, self.attention = model, store, attention
         self.graphs = graphs  # decode-only steps through recorded CUDA graphs (cuda_graphs.py), if any
-        self.last_prepare_s = 0.0
-        self.last_model_s = 0.0
+        self.last_prepare_s = self.last_model_s = 0.0
 
     def execute(self, rows: Rows[ScheduledRow], num_decodes: int) -> Tensor:
         """float32 logits (R, V) of the rows that sample, in row order (an empty (0, V) when none does)."""

@@ -11,6 +11,10 @@ nano-vllm's ``Context``), and for each layer:
    the slot mapping: a scatter, one row per token);
 2. **attends**: each query reads its own sequence's keys and values through the block table.
 
+Under grouped-query attention the pool holds the key/value heads only (``config.kv_heads``), and
+query head ``h`` reads key/value head ``h // (heads / kv_heads)`` where it lies: no backend copies
+a key/value head once per query head.
+
 Prompt chunks are attended here: a first chunk attends to its own new keys (no copy), a later
 chunk copies its history's blocks out of the pool (SDPA with a mask). The DECODE rows (one query
 each, most of a step) are where the backends differ, one module each (``--attention``), each tested
@@ -81,14 +85,16 @@ class PagedAttention:
     """A backend: for each step, :meth:`bind` returns the :data:`shared.model.Attend` the model calls per layer.
 
     A backend says how its decode rows attend (:meth:`bind_decodes`, which also stores their keys
-    and values); the prompt chunks are attended here.
+    and values); the prompt chunks are attended here. Queries have ``heads`` heads, keys and values
+    ``kv_heads`` (a divisor of ``heads``); ``grouped`` when they differ.
     """
 
     name = "?"
 
     def __init__(self, store: PagedKVStore) -> None:
         self.store = store
-        self.heads, self.head_dim = store.config.n_head, store.config.head_dim
+        self.heads, self.kv_heads, self.head_dim = store.config.n_head, store.config.kv_heads, store.config.head_dim
+        self.grouped = self.kv_heads != self.heads  # SDPA's enable_gqa only then: some of its kernels lack it
 
     @staticmethod
     def unavailable_reason() -> str | None:
@@ -106,8 +112,7 @@ class PagedAttention:
     def bind(self, inputs: PackedInputs) -> Attend:
         decodes = inputs.num_decodes
         decode = self.bind_decodes(inputs) if decodes else None
-        chunks = self._plan_chunks(inputs)
-        chunk_slots = inputs.slot_mapping[decodes:]
+        chunks, chunk_slots = self._plan_chunks(inputs), inputs.slot_mapping[decodes:]
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             out = self.empty_output(q)
@@ -121,14 +126,14 @@ class PagedAttention:
         return attend
 
     def write(self, layer: int, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
-        """Scatter keys and values, (1, H, N, D) each, into their slots of ``layer``."""
+        """Scatter keys and values, (1, H_kv, N, D) each, into their slots of ``layer``."""
         for kv, new in ((0, k), (1, v)):
             plane = self.store.plane(layer, kv)
-            rows = new[0].transpose(0, 1).reshape(new.shape[2], -1)  # (N, H * D): one row per token
+            rows = new[0].transpose(0, 1).reshape(new.shape[2], -1)  # (N, H_kv * D): one row per token
             plane.index_copy_(0, slot_mapping, rows.to(plane.dtype))
 
     def blocks(self, layer: int, kv: int) -> Tensor:
-        """One (layer, key/value) plane as one row per block: ``(num_blocks, block_tokens * n_embd)``."""
+        """One (layer, key/value) plane as one row per block: ``(num_blocks, block_tokens * kv_width)``."""
         plane = self.store.plane(layer, kv)
         return plane.view(-1, self.store.block_tokens * plane.shape[1])
 
@@ -145,11 +150,12 @@ class PagedAttention:
         for start, end, past, blocks in chunks:
             queries = q[:, :, start:end]
             if past == 0:  # the whole history is this chunk: its own keys, no copy
-                out[:, :, start:end] = F.scaled_dot_product_attention(queries, k[:, :, start:end], v[:, :, start:end], is_causal=True)
+                out[:, :, start:end] = F.scaled_dot_product_attention(queries, k[:, :, start:end], v[:, :, start:end], is_causal=True,
+                                                                      enable_gqa=self.grouped)
                 continue
             context = past + end - start
-            keys, values = (self.blocks(layer, kv).index_select(0, blocks).view(1, -1, self.heads, self.head_dim)[:, :context]
+            keys, values = (self.blocks(layer, kv).index_select(0, blocks).view(1, -1, self.kv_heads, self.head_dim)[:, :context]
                             .transpose(1, 2).to(q.dtype) for kv in (0, 1))
             # query j (position past + j) sees keys 0 .. past + j
             mask = torch.arange(context, device=q.device)[None, :] <= torch.arange(past, context, device=q.device)[:, None]
-            out[:, :, start:end] = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)
+            out[:, :, start:end] = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=self.grouped)

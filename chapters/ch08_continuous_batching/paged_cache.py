@@ -1,9 +1,11 @@
 """Keys and values in fixed-size blocks of chapter 4's pool, written and read through block tables.
 
 Storage: chapter 4's :class:`~chapters.ch04_memory_pool.memory_pool.KVMemoryPool` tensor,
-``(n_layer, 2, capacity_tokens, n_embd)``. Chapter 8 takes the whole pool from chapter 4's range
-allocator once (one range, every block: the KV memory still has one ledger) and hands its blocks out
-one at a time with its own :class:`~chapters.ch08_continuous_batching.block_manager.BlockManager`.
+``(n_layer, 2, capacity_tokens, kv_width)``: a token's key (and value) heads side by side,
+``config.kv_width`` numbers (the key/value heads, fewer than the query heads under grouped-query
+attention, times the head width). Chapter 8 takes the whole pool from chapter 4's range allocator
+once (one range, every block: the KV memory still has one ledger) and hands its blocks out one at a
+time with its own :class:`~chapters.ch08_continuous_batching.block_manager.BlockManager`.
 Token slot ``s`` of the pool is row ``s`` of every (layer, key/value) plane; block ``b`` is slots
 ``b * block_tokens .. (b + 1) * block_tokens - 1``. Position ``p`` of a sequence with block table
 ``t`` lives in slot ``t[p // block_tokens] * block_tokens + p % block_tokens`` (:meth:`PagedKVStore.slots`,
@@ -81,7 +83,8 @@ class PagedKVStore:
         return self.pool.device
 
     def plane(self, layer: int, kv: int) -> Tensor:
-        """Every token slot of one (layer, key=0/value=1) plane: ``(capacity_tokens, n_embd)``."""
+        """Every token slot of one (layer, key=0/value=1) plane: ``(capacity_tokens, kv_width)``, a token's
+        key/value heads side by side."""
         return self.pool.storage[layer, kv]
 
     def slots(self, seq_id: Hashable, start: int, end: int) -> list[int]:

@@ -4,9 +4,12 @@
  *
  * First every row's new key and value go into its slot (slots[r], rounded to the cache's dtype); then,
  * for each row: where each position it attends to lies (position t in slot
- * tables[r][t / block] * block + t % block), then head after head: its scores over those positions, a
- * softmax over the whole row at once (its length is known: no running maximum, no rescaling), then the
- * weighted sum of the values. Everything accumulates in fp32.
+ * tables[r][t / block] * block + t % block), then query head after query head: its scores over those
+ * positions, a softmax over the whole row at once (its length is known: no running maximum, no
+ * rescaling), then the weighted sum of the values. Everything accumulates in fp32. Under grouped-query
+ * attention the cache holds kv_heads key/value heads, each shared by heads / kv_heads consecutive query
+ * heads: query head h reads key/value head h / (heads / kv_heads) where it lies, nothing copied per
+ * query head (and the query heads of a group find its keys and values still in the core's caches).
  *
  * Why it is written this way. A decode step reads every running sequence's keys and values once per
  * layer and does little with each: per position and head, a dot product of head_dim numbers. So
@@ -25,13 +28,15 @@
  * No -ffast-math: the compiler reorders no sum, so a result depends on LANES and the cache's dtype only.
  *
  * q, k_new, v_new  fp32; element (r, h, d) at r * token_stride + h * head_stride + d: the model's own
- *                  (1, heads, rows, head_dim) views, read where they are, no copy
+ *                  (1, heads, rows, head_dim) query and (1, kv_heads, rows, head_dim) key and value
+ *                  views, read where they are, no copy
  * slots (rows) int64: where each row's new key and value go
- * k, v  one layer's key and value planes: (slots, heads * head_dim), fp32 or bf16 (as uint16 bits)
+ * k, v  one layer's key and value planes: (slots, kv_heads * head_dim), fp32 or bf16 (as uint16 bits)
  * tables (rows, width) int32: each row's blocks, already offset to the pool's first block
  * lens (rows) int32: positions each row attends to (its context, this step's token included)
- * logits: scratch of at least heads * (max(lens) + 16) floats: each head's scores padded to whole vectors
- * out   fp32; element (r, h, d) at r * out_stride + h * head_dim + d
+ * heads, kv_heads: query heads, and key/value heads (a divisor of heads)
+ * logits: scratch of at least heads * (max(lens) + 16) floats: each query head's scores padded to whole vectors
+ * out   fp32; element (r, h, d) at r * out_stride + h * head_dim + d, h a query head
  */
 #include <math.h>
 #include <stdint.h>
@@ -204,8 +209,10 @@ static inline void prefetch_row(const void *row, int64_t bytes) {
 #define ATTEND_ROW(NAME, T, LOAD, KIND)                                                                          \
     static inline __attribute__((always_inline)) void NAME(                                                      \
         const float *q, int64_t head_stride, const T *k, const T *v, const int32_t *table, int64_t n,            \
-        int64_t heads, int64_t head_dim, int64_t block, float scale, float *logits, int64_t *where, float *out) { \
-        const int64_t stride = heads * head_dim, row_bytes = stride * (int64_t)sizeof(T);                       \
+        int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block, float scale, float *logits,           \
+        int64_t *where, float *out) {                                                                           \
+        const int64_t stride = kv_heads * head_dim, row_bytes = stride * (int64_t)sizeof(T);                    \
+        const int64_t group = heads / kv_heads; /* query heads per key/value head */                            \
         const int64_t pairs = head_dim < 256 ? head_dim / (2 * LANES) : MOST_PAIRS;                             \
         const int64_t vector_end = pairs * 2 * LANES;                                                          \
         for (int64_t t = 0, b = 0; t < n; ++b) /* each position's row in a plane, block by block */             \
@@ -227,7 +234,7 @@ static inline void prefetch_row(const void *row, int64_t bytes) {
                     float rest = 0.f;                                                                          \
                     if (p < m) {                                                                               \
                         if (AHEAD && h == 0 && t + AHEAD < n) prefetch_row(k + where[t + AHEAD], row_bytes);    \
-                        const T *kh = k + where[t] + h * head_dim;                                             \
+                        const T *kh = k + where[t] + h / group * head_dim;                                     \
                         for (int64_t c = 0; c < pairs; ++c) {                                                  \
                             pair_##KIND(kh + c * 2 * LANES, &first, &second);                                  \
                             sum += query[c][0] * first + query[c][1] * second;                                 \
@@ -260,7 +267,7 @@ static inline void prefetch_row(const void *row, int64_t bytes) {
             for (int64_t d = vector_end; d < head_dim; ++d) o[d] = 0.f;                                        \
             for (int64_t t = 0; t < n; ++t) {                                                                  \
                 const float weight = row[t] * inverse;                                                         \
-                const T *vh = v + where[t] + h * head_dim;                                                     \
+                const T *vh = v + where[t] + h / group * head_dim;                                             \
                 if (AHEAD && h == 0 && t + AHEAD < n) prefetch_row(v + where[t + AHEAD], row_bytes);           \
                 for (int64_t c = 0; c < pairs; ++c) {                                                          \
                     pair_##KIND(vh + c * 2 * LANES, &first, &second);                                          \
@@ -277,11 +284,11 @@ static inline void prefetch_row(const void *row, int64_t bytes) {
     ATTEND_ROW(NAME##_row, T, LOAD, KIND)                                                                    \
     void NAME(const float *q, const float *k_new, const float *v_new, int64_t token_stride,                     \
               int64_t head_stride, const int64_t *slots, T *k, T *v, const int32_t *tables, int64_t width,      \
-              const int32_t *lens, int64_t rows, int64_t heads, int64_t head_dim, int64_t block,                \
-              float scale, float *logits, float *out, int64_t out_stride) {                                     \
-        const int64_t stride = heads * head_dim;                                                                \
+              const int32_t *lens, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,             \
+              int64_t block, float scale, float *logits, float *out, int64_t out_stride) {                      \
+        const int64_t stride = kv_heads * head_dim;                                                             \
         for (int64_t r = 0; r < rows; ++r)                                                                      \
-            for (int64_t h = 0; h < heads; ++h) {                                                               \
+            for (int64_t h = 0; h < kv_heads; ++h) {                                                            \
                 const int64_t from = r * token_stride + h * head_stride, to = slots[r] * stride + h * head_dim; \
                 for (int64_t d = 0; d < head_dim; ++d) {                                                        \
                     k[to + d] = STORE(k_new[from + d]);                                                         \
@@ -295,10 +302,12 @@ static inline void prefetch_row(const void *row, int64_t bytes) {
             const float *qr = q + r * token_stride;                                                             \
             const int32_t *table = tables + r * width;                                                          \
             float *o = out + r * out_stride;                                                                    \
-            if (head_dim == 64) /* GPT-2's every size: the same code with the head's width known */             \
-                NAME##_row(qr, head_stride, k, v, table, lens[r], heads, 64, block, scale, logits, where, o);   \
+            if (head_dim == 64) /* GPT-2's every size and SmolLM2's: the same code with the width known */      \
+                NAME##_row(qr, head_stride, k, v, table, lens[r], heads, kv_heads, 64, block, scale, logits,    \
+                           where, o);                                                                           \
             else                                                                                                \
-                NAME##_row(qr, head_stride, k, v, table, lens[r], heads, head_dim, block, scale, logits, where, o); \
+                NAME##_row(qr, head_stride, k, v, table, lens[r], heads, kv_heads, head_dim, block, scale,      \
+                           logits, where, o);                                                                   \
         }                                                                                                       \
     }
 

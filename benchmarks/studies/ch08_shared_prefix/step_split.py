@@ -51,6 +51,15 @@ GELUS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+def revision_kernel_source(revision: str) -> str:
+    """``kernel_source_at(revision)``, refused where its signature predates grouped-query attention."""
+    source = kernel_source_at(revision)
+    if "int64_t kv_heads" not in source:
+        raise SystemExit(f"paged_decode.c as of {revision} has no kv_heads argument (before grouped-query attention):"
+                         " pass a revision from the commit that added it on")
+    return source
+
+
 def kernel_source_at(revision: str) -> str:
     """``paged_decode.c`` as of git ``revision``."""
     root = KERNEL_SOURCE.parents[2]  # the repository's
@@ -59,8 +68,10 @@ def kernel_source_at(revision: str) -> str:
 
 
 def kernel_of(revision: str, dtype: torch.dtype, directory: str) -> Callable:
-    """``paged_decode.c`` as of git ``revision``, built with the chapter's flags: its function for ``dtype``."""
-    (Path(directory) / "kernel.c").write_text(kernel_source_at(revision))
+    """``paged_decode.c`` as of git ``revision``, built with the chapter's flags: its function for ``dtype``.
+
+    The revision's kernel must take today's arguments (``kv_heads`` after ``heads``): SystemExit where it does not."""
+    (Path(directory) / "kernel.c").write_text(revision_kernel_source(revision))
     subprocess.run(["cc", *KERNEL_FLAGS, "-o", f"{directory}/kernel.so", f"{directory}/kernel.c", "-lm"], check=True,
                    capture_output=True)
     function = getattr(ctypes.CDLL(f"{directory}/kernel.so"), KERNEL_FUNCTIONS[dtype])
@@ -118,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
         compile_layers(compiled)
         variants |= {"step, layers compiled": (attend, None, None), "step, layers compiled, attention skipped": (no_attention, None, None)}
     context_tokens = int(positions.sum()) + ROWS  # every row decodes: it attends to its position and those before
-    read_bytes = context_tokens * 2 * config.n_embd * config.n_layer * kv_dtype.itemsize
+    read_bytes = context_tokens * 2 * config.kv_width * config.n_layer * kv_dtype.itemsize
     reads = torch.ones(read_bytes // 4, dtype=torch.float32)  # the same bytes, summed as fp32 whatever the cache's dtype
     times: dict[str, list[float]] = {name: [] for name in [*variants, "matrix products alone", "reads alone"]}
     try:

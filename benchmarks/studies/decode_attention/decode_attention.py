@@ -155,7 +155,7 @@ def attention_part(workload: str, rows: int, rounds: int, precision: str, seed: 
         "kernel call": lambda: kernel._decode(q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(2), q.stride(1),
                                               kernel_slots.data_ptr(), store.plane(0, 0).data_ptr(),
                                               store.plane(0, 1).data_ptr(), kernel_tables.data_ptr(), kernel_tables.shape[1],
-                                              kernel_lens.data_ptr(), rows, heads, head_dim, size, kernel._scale,
+                                              kernel_lens.data_ptr(), rows, heads, config.kv_heads, head_dim, size, kernel._scale,
                                               kernel_scratch.data_ptr(), kernel_out.data_ptr(), kernel_out.stride(0)),
         "gather": lambda: gather_attend(0, q, k, v),
         "compiled gather": lambda: candidate(rows_q, store.plane(0, 0), store.plane(0, 1), slot_table, lens_tensor),
@@ -163,8 +163,8 @@ def attention_part(workload: str, rows: int, rounds: int, precision: str, seed: 
         "copy": lambda: [plane.index_select(0, read_blocks) for plane in block_rows],
     }, rounds)
     element = torch.empty((), dtype=kv_dtype).element_size()
-    bytes_read = sum(lens) * config.n_embd * 2 * element
-    dense_bytes = rows * longest * config.n_embd * 2 * element  # the padded cache SDPA reads
+    bytes_read = sum(lens) * config.kv_width * 2 * element
+    dense_bytes = rows * longest * config.kv_width * 2 * element  # the padded cache SDPA reads
     return {
         "kv_cache_dtype": str(kv_dtype).removeprefix("torch."), "engine": engine.label, "rows": rows,
         "block_tokens": size, "context_median": statistics.median(lens), "context_max": longest,

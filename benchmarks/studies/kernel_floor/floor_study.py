@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness.environment import cpu_description
-from benchmarks.studies.ch08_shared_prefix.step_split import kernel_source_at
+from benchmarks.studies.ch08_shared_prefix.step_split import revision_kernel_source
 from chapters.ch08_continuous_batching.attention_kernel import (KERNEL_ARGUMENTS, KERNEL_FLAGS, KERNEL_FUNCTIONS, KERNEL_SOURCE,
                                                                  scores_scratch)
 
@@ -119,7 +119,7 @@ def ms_per_layer(kernel, case: Case, sweep: torch.Tensor) -> float:
             started = time.perf_counter()
             kernel(pointer, pointer + 4 * stride, pointer + 8 * stride, 3 * stride, HEAD_DIM, case.slots.data_ptr(),
                    keys.data_ptr(), values.data_ptr(), case.tables.data_ptr(), case.width, lens.data_ptr(),
-                   ROWS, HEADS, HEAD_DIM, case.block, HEAD_DIM ** -0.5, scratch.data_ptr(), out.data_ptr(), stride)
+                   ROWS, HEADS, HEADS, HEAD_DIM, case.block, HEAD_DIM ** -0.5, scratch.data_ptr(), out.data_ptr(), stride)
             total += time.perf_counter() - started
     return total / (STEPS * LAYERS) * 1e3
 
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
         kernels = {"kernel": build(Path(temporary), "kernel", KERNEL_SOURCE.read_text(), dtype),
                    "reads only": build(Path(temporary), "reads_only", reads_only_source(), dtype)}
         if args.kernel_of:
-            kernels[args.kernel_of] = build(Path(temporary), "before", kernel_source_at(args.kernel_of), dtype)
+            kernels[args.kernel_of] = build(Path(temporary), "before", revision_kernel_source(args.kernel_of), dtype)
         workloads = {**WORKLOADS, **SHARED} if dtype == torch.bfloat16 else WORKLOADS
         for workload, contexts in workloads.items():
             shared = SHARED_TOKENS if workload in SHARED else 0

@@ -71,7 +71,7 @@ def timed(kernel, case) -> tuple[float, torch.Tensor, torch.Tensor]:
     def call() -> None:
         kernel(qkv.data_ptr(), qkv.data_ptr() + 4 * stride, qkv.data_ptr() + 8 * stride, 3 * stride, HEAD_DIM,
                slots.data_ptr(), keys.data_ptr(), values.data_ptr(), tables.data_ptr(), width, lens_tensor.data_ptr(),
-               ROWS, HEADS, HEAD_DIM, BLOCK, HEAD_DIM ** -0.5, scratch.data_ptr(), out.data_ptr(), stride)
+               ROWS, HEADS, HEADS, HEAD_DIM, BLOCK, HEAD_DIM ** -0.5, scratch.data_ptr(), out.data_ptr(), stride)
 
     call()
     started = time.perf_counter()

@@ -70,7 +70,7 @@ def main() -> None:
             between = time.perf_counter()
             kernel(pointer, pointer + 4 * width, pointer + 8 * width, 3 * width, HEAD_DIM, case.slots.data_ptr(),
                    keys.data_ptr(), values.data_ptr(), case.tables.data_ptr(), case.width, lens.data_ptr(),
-                   ROWS, HEADS, HEAD_DIM, case.block, HEAD_DIM ** -0.5, scratch.data_ptr(), out.data_ptr(), width)
+                   ROWS, HEADS, HEADS, HEAD_DIM, case.block, HEAD_DIM ** -0.5, scratch.data_ptr(), out.data_ptr(), width)
             linear_s, kernel_s = linear_s + between - started, kernel_s + time.perf_counter() - between
         return linear_s * 1e3, kernel_s * 1e3
 

@@ -1,0 +1,63 @@
+"""Every chapter serves the real model (``--weights smollm2``): a chat-templated question gets transformers' tokens.
+
+The oracle is transformers' ``LlamaForCausalLM`` on the same GGUF file (``tests/llama_oracle.py``),
+computed in this process before each server starts. A short answer per request keeps this in the fast
+suite; ``test_concurrent_mixed_chat_requests_get_transformers_tokens`` sends prompts of several lengths
+at once, so request-level batches pad them and chapter 8 runs them in one packed step. Chapter 9 serves
+chapter 8's server through Ray Serve and is checked by its own tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+from chapter_flags import oracle_exact_args
+
+from benchmarks.harness.server_process import RunningServer
+from chapters import CHAPTERS
+from shared.chat_template import chat_prompt
+
+QUESTIONS = ["What is the capital of France?", "Name a colour.", "Write a haiku about the sea, please, in English.",
+             "Explain in one sentence why the sky looks blue during the day and red at sunset."]
+NEW_TOKENS = (8, 5, 3, 6)
+SERVED = [chapter for chapter in CHAPTERS if chapter != "ch09"]
+TIMEOUT_S = 300
+
+
+@pytest.fixture(scope="module")
+def chat_cases(smollm2, llama_oracle) -> list[tuple[dict, list[int], list[int]]]:
+    """(request body, prompt ids, transformers' answer): half sent as chat-templated text, half as ids."""
+    cases = []
+    for i, (question, n) in enumerate(zip(QUESTIONS, NEW_TOKENS)):
+        prompt = chat_prompt(smollm2.tokenizer, [{"role": "user", "content": question}])
+        ids = smollm2.tokenizer.encode(prompt)
+        body = {"prompt": prompt} if i % 2 == 0 else {"input_ids": ids}
+        cases.append(({**body, "max_new_tokens": n}, ids, llama_oracle(ids, n)))
+    return cases
+
+
+@pytest.fixture(scope="module", params=SERVED)
+def real_model_server(request, server, chat_cases) -> Iterator[RunningServer]:
+    with server(request.param, "--weights", "smollm2", *oracle_exact_args(request.param)) as running:
+        yield running
+
+
+def test_prompts_have_several_lengths(chat_cases) -> None:
+    assert len({len(ids) for _, ids, _ in chat_cases}) == len(chat_cases)
+
+
+def test_concurrent_mixed_chat_requests_get_transformers_tokens(real_model_server: RunningServer, chat_cases) -> None:
+    def send(body: dict) -> requests.Response:
+        return requests.post(f"{real_model_server.url}/v1/inference", json=body, timeout=TIMEOUT_S)
+
+    with ThreadPoolExecutor(len(chat_cases)) as clients:
+        responses = list(clients.map(send, [body for body, _, _ in chat_cases]))
+    for response, (body, ids, expected) in zip(responses, chat_cases):
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        assert answer["usage"]["prompt_tokens"] == len(ids)
+        assert answer["output_ids"] == expected, (real_model_server.chapter, body.get("prompt", "ids")[:60])
+    assert responses[0].json()["text"].startswith("The capital of France is Paris.")
