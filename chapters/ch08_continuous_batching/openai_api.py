@@ -152,7 +152,7 @@ class CompletionsApi:
             **meta,
             "choices": [_choice(visible_text(self.tokenizer, result.output_ids, completion.stops()), _finish_reason(result),
                                 self._logprobs(result.output_ids, logprobs, self._text_offsets(result.output_ids)) if logprobs is not None else None)],
-            "usage": _usage(len(valid.input_ids), len(result.output_ids)),
+            "usage": usage(len(valid.input_ids), len(result.output_ids)),
         })
 
     def _logprobs(self, output_ids: list[int], logprobs: list[TokenLogprobs], text_offsets: list[int]) -> dict:
@@ -191,7 +191,7 @@ class CompletionsApi:
                     continue
                 last = sse({**meta, "choices": [_choice(text.finish(), _finish_reason(event))]})
                 if include_usage:
-                    last += sse({**meta, "choices": [], "usage": _usage(prompt_tokens, len(event.output_ids))})
+                    last += sse({**meta, "choices": [], "usage": usage(prompt_tokens, len(event.output_ids))})
                 yield runs.rest(last + sse("[DONE]"))
         except ApiError as error:
             yield runs.rest(sse(error.body()))  # the client raises APIError from an "error" payload
@@ -215,5 +215,5 @@ def _finish_reason(result: Generated) -> str:
     return result.finish_reason if isinstance(result, Completion) else "length"
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}

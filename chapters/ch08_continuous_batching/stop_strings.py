@@ -65,6 +65,18 @@ class StopStrings:
         return False
 
 
+class EndOfTurn:
+    """The chat route's stop condition: the model's end-of-turn token, or a stop string when the request gave any."""
+
+    def __init__(self, token_ids: frozenset[int], strings: StopStrings | None = None) -> None:
+        self.token_ids, self.strings = token_ids, strings
+
+    def reached(self, output_ids: list[int]) -> bool:
+        if output_ids and output_ids[-1] in self.token_ids:
+            return True
+        return self.strings is not None and self.strings.reached(output_ids)
+
+
 class StopText:
     """The answer's text as it may be shown: up to the first stop, never a character that a stop may still claim.
 

@@ -1,0 +1,147 @@
+"""Chapter 8's chat route with the real model, through the official ``openai`` client over a real socket.
+
+The oracle is transformers (``tests/llama_oracle.py``): Hugging Face's rendering of the model's chat
+template for the prompt, its greedy tokens for the answer, which the turn must equal up to and
+including the end-of-turn token (``<|im_end|>``), never shown in the content. Streamed, the pieces
+add up to the same content, the role comes first and the end reason last. A battery of bad requests
+gets OpenAI's error shape and statuses, never a 500, and the server answers a good request after it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+import requests
+
+from benchmarks.harness.server_process import running_module
+from chapters.ch08_continuous_batching.chat_api import ChatApi
+from shared.schemas import ApiError, ContractLimits
+from shared.tokenizer import ByteTokenizer
+
+MODULE = "chapters.ch08_continuous_batching"
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+CONVERSATION = [{"role": "system", "content": "You are a terse assistant."},
+                {"role": "user", "content": "Name a colour."},
+                {"role": "assistant", "content": "Blue."},
+                {"role": "user", "content": "Another one?"}]
+LONGEST_TURN = 48
+
+
+@pytest.fixture(scope="module")
+def ch08():
+    args = ["--weights", "smollm2", "--device", "cpu", "--precision", "fp32", "--attention", "gather", "--max-num-seqs", "8",
+            "--pool-tokens", "8192", "--probe-interval-s", "3600"]
+    with running_module(MODULE, args, name="ch08", startup_timeout_s=300) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(ch08) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{ch08.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model_name(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def oracle_turn(llama_oracle, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """(prompt ids, the greedy turn up to and including the end-of-turn token) as transformers computes them."""
+    ids = llama_oracle.tokenizer.encode(llama_oracle.chat_prompt(messages), add_special_tokens=False)
+    answer = llama_oracle(ids, LONGEST_TURN)
+    end = llama_oracle.tokenizer.eos_token_id
+    return ids, answer[: answer.index(end) + 1] if end in answer else answer
+
+
+@pytest.mark.parametrize("messages", [CAPITAL, CONVERSATION], ids=["one question", "a conversation"])
+def test_a_chat_turn_is_the_oracles_up_to_its_end_of_turn(client, model_name, llama_oracle, messages) -> None:
+    ids, turn = oracle_turn(llama_oracle, messages)
+    assert turn[-1] == llama_oracle.tokenizer.eos_token_id, "the oracle's turn must end within LONGEST_TURN tokens"
+    reply = client.chat.completions.create(model=model_name, messages=messages, max_tokens=LONGEST_TURN)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.role == "assistant"
+    assert choice.message.content == llama_oracle.tokenizer.decode(turn[:-1])
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(ids), len(turn))
+    assert reply.object == "chat.completion" and reply.id.startswith("chatcmpl-")
+
+
+def test_the_first_answer_is_the_sensible_one(client, model_name) -> None:
+    reply = client.chat.completions.create(model=model_name, messages=CAPITAL)
+    assert reply.choices[0].message.content.startswith("The capital of France is Paris.")
+
+
+def test_a_streamed_turn_sends_the_role_first_then_the_same_content_then_the_reason(client, model_name, llama_oracle) -> None:
+    ids, turn = oracle_turn(llama_oracle, CAPITAL)
+    chunks = list(client.chat.completions.create(model=model_name, messages=CAPITAL, max_completion_tokens=LONGEST_TURN,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == llama_oracle.tokenizer.decode(turn[:-1])
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert reasons == ["stop"] and chunks[-1].usage.completion_tokens == len(turn)
+    assert {c.object for c in chunks} == {"chat.completion.chunk"}
+
+
+def test_a_turn_cut_by_max_tokens_ends_for_length_with_the_oracles_first_tokens(client, model_name, llama_oracle) -> None:
+    ids, turn = oracle_turn(llama_oracle, CAPITAL)
+    reply = client.chat.completions.create(model=model_name, messages=CAPITAL, max_tokens=3)
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.choices[0].message.content == llama_oracle.tokenizer.decode(turn[:3])
+
+
+def test_a_stop_string_ends_the_turn_and_logprobs_cover_what_is_shown(client, model_name, llama_oracle) -> None:
+    ids, turn = oracle_turn(llama_oracle, CAPITAL)
+    whole = llama_oracle.tokenizer.decode(turn[:-1])
+    reply = client.chat.completions.create(model=model_name, messages=CAPITAL, stop=[" Paris"], logprobs=True, top_logprobs=2)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content == whole[: whole.index(" Paris")]
+    entries = choice.logprobs.content
+    assert "".join(e.token for e in entries).startswith(choice.message.content)
+    assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in entries)
+    assert len("".join(e.token for e in entries[:-1])) < len(choice.message.content)  # the last starts before the cut
+
+
+def test_the_same_seed_samples_the_same_turn_twice(client, model_name) -> None:
+    def sample() -> str:
+        reply = client.chat.completions.create(model=model_name, messages=CONVERSATION, temperature=1.0, top_p=0.9, seed=7,
+                                               max_tokens=24)
+        return reply.choices[0].message.content
+
+    assert sample() == sample()
+
+
+BAD = [
+    ({"model": "gpt-4", "messages": CAPITAL}, 404),
+    ({"messages": []}, 422),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, 422),
+    ({"messages": [{"role": "user"}]}, 422),
+    ({"messages": [{"role": "user", "content": "word " * 600}]}, 422),
+    ({"messages": CAPITAL, "max_tokens": 0}, 422),
+    ({"messages": CAPITAL, "n": 2}, 422),
+    ({"messages": CAPITAL, "tools": []}, 422),
+    ({"messages": CAPITAL, "top_logprobs": 2}, 422),
+    ({"messages": CAPITAL, "temperature": 9}, 422),
+]
+
+
+@pytest.mark.parametrize("body, status", BAD, ids=[f"{i}-{s}" for i, (_, s) in enumerate(BAD)])
+def test_bad_chat_requests_get_openais_error_shape_and_never_a_500(ch08, model_name, body, status) -> None:
+    response = requests.post(f"{ch08.url}/v1/chat/completions", json={"model": model_name, **body}, timeout=60)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"]
+
+
+def test_the_server_answers_after_the_bad_requests(client, model_name, ch08) -> None:
+    requests.post(f"{ch08.url}/v1/chat/completions", data=b"{not json", timeout=60)
+    reply = client.chat.completions.create(model=model_name, messages=CAPITAL, max_tokens=4)
+    assert reply.choices[0].finish_reason == "length"
+
+
+def test_a_model_without_a_chat_template_answers_the_route_with_a_400() -> None:
+    api = ChatApi(backend=None, tokenizer=ByteTokenizer(), limits=ContractLimits(256, 512, 64, 65536), model_name="tiny")
+    with pytest.raises(ApiError) as refused:
+        api.parse(json.dumps({"model": "tiny", "messages": CAPITAL}).encode())
+    assert refused.value.status == 400 and "no chat template" in str(refused.value)
