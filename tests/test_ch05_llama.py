@@ -217,6 +217,21 @@ def test_bf16_never_used_computes_exactly_as_fp32(llama: DecoderModel) -> None:
     assert torch.equal(module(ids), llama(ids))
 
 
+@pytest.mark.parametrize("min_rows, fp32_kept, bf16_kept", [(1, False, True), (8, True, True), (NEVER, True, False)])
+def test_a_bf16_layer_keeps_only_the_weights_its_calls_read(llama: DecoderModel, min_rows: int, fp32_kept: bool,
+                                                             bf16_kept: bool) -> None:
+    """Every call at or above ``min_rows`` reads the bf16 copy, every call below it the fp32 one: a copy
+    no call reads is memory for nothing (the served model's footprint), and a deep copy keeps the rule."""
+    module = with_bf16_matmuls(copy.deepcopy(llama), min_rows=min_rows)
+    for layer in [module, copy.deepcopy(module)]:
+        linears = [m for m in layer.modules() if isinstance(m, Bf16MatmulLinear)]
+        assert {m.weight is not None for m in linears} == {fp32_kept}
+        assert {m.weight_bf16 is not None for m in linears} == {bf16_kept}
+        ids = torch.tensor([list(b"the quick brown fox")])
+        with torch.no_grad():
+            torch.testing.assert_close(layer(ids), llama(ids), atol=0.5, rtol=0.05)
+
+
 def test_the_gated_mlp_is_exact_below_its_threshold_and_bf16_above(llama: DecoderModel) -> None:
     mlp = llama.blocks[0].mlp
     gated = Bf16GatedMLP(copy.deepcopy(mlp), min_rows=8)

@@ -155,3 +155,21 @@ def test_a_bf16_cache_keeps_every_steps_logits_within_the_measured_bound(llama_t
     _, runner = served(llama_tiny.model, attention, mixed_requests(6, seed=5, max_new=16), dtype=torch.bfloat16)
     error = runner.logits_error()
     assert 0 < error <= BF16_LOGITS_BOUND, f"{attention}: {error:.4f} of the logit spread"
+
+
+def test_a_cast_engine_leaves_the_version_one_copy_of_the_weights(llama_tiny) -> None:
+    """``--precision bf16`` serves a converted copy of the loaded model; the fp32 original must not stay
+    alive beside it (the version keeps the weights it serves), or a served model costs its weights twice."""
+    import gc
+    import weakref
+
+    from chapters.ch08_continuous_batching.server import ContinuousSettings, build_backend
+
+    loaded = load_model("dummy", "llama-tiny")
+    original = weakref.ref(loaded.model)
+    settings = ContinuousSettings(weights="dummy", preset="llama-tiny", device="cpu", engine="eager", precision="bf16",
+                                  attention="gather", pool_tokens=1024, max_num_seqs=4, max_num_batched_tokens=64)
+    backend = build_backend(settings, loaded)
+    gc.collect()
+    assert original() is None, "the fp32 original is still referenced beside the bf16 copy"
+    assert loaded.model.config == llama_tiny.config and backend.description["engine"]["precision"] == "bf16"

@@ -255,3 +255,13 @@ def test_the_climb_on_smollm2_checks_its_vocabulary_and_keeps_its_results_apart(
     assert real.results_name == "cpu-smollm2" and real.vocab_size == smollm2.model.config.vocab_size
     assert [a for a in real.server_args() if a.startswith("--weights")] == ["--weights=smollm2"]
     assert real.levels == plain.levels
+    # Chapter 1 answers one request at a time: 64 users' first answers on the real model take minutes,
+    # and Locust's run must last that long before the level's window opens.
+    from benchmarks.harness.loadgen import LevelPlan, locust_command
+    from benchmarks.harness.workload import get_workload
+
+    plan = LevelPlan(users=64, min_s=real.min_level_s, max_s=real.max_level_s, target_requests=1, workload=get_workload("default"),
+                     seed=0, vocab_size=real.vocab_size, request_timeout_s=real.request_timeout_s, first_round_s=real.first_round_s)
+    command = locust_command("http://127.0.0.1:1", plan, Path("level"))
+    assert int(command[command.index("-t") + 1].removesuffix("s")) >= real.max_level_s + 64 * 2
+    assert real.request_timeout_s >= 64 * 2 > plain.request_timeout_s

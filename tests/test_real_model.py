@@ -3,8 +3,10 @@
 The oracle is transformers' ``LlamaForCausalLM`` on the same GGUF file (``tests/llama_oracle.py``),
 computed in this process before each server starts. A short answer per request keeps this in the fast
 suite; ``test_concurrent_mixed_chat_requests_get_transformers_tokens`` sends prompts of several lengths
-at once, so request-level batches pad them and chapter 8 runs them in one packed step. Chapter 9 serves
-chapter 8's server through Ray Serve and is checked by its own tests.
+at once, so request-level batches pad them and chapter 8 runs them in one packed step. Chapter 9 (a
+Ray cluster, Serve's proxy and one replica of chapter 8's server, each replica loading the model
+itself) answers the same questions through the proxy, in the slow suite: Ray's start and the
+replica's load take most of a minute.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import pytest
 import requests
 from chapter_flags import oracle_exact_args
 
-from benchmarks.harness.server_process import RunningServer
+from benchmarks.harness.server_process import RunningServer, running_module
 from chapters import CHAPTERS
 from shared.chat_template import chat_prompt
 
@@ -50,8 +52,22 @@ def test_prompts_have_several_lengths(chat_cases) -> None:
 
 
 def test_concurrent_mixed_chat_requests_get_transformers_tokens(real_model_server: RunningServer, chat_cases) -> None:
+    answers_all_at_once(real_model_server.url, real_model_server.chapter, chat_cases)
+
+
+@pytest.mark.slow
+def test_chapter_9_answers_through_serve_with_transformers_tokens(chat_cases) -> None:
+    args = ["--weights", "smollm2", "--num-replicas", "1", "--spare-replicas", "0", "--replica-cpus", "0.5",
+            "--precision", "fp32", "--attention", "gather", "--torch-threads", "1", "--max-num-seqs", "8",
+            "--probe-interval-s", "3600", "--drain-timeout-s", "10"]
+    with running_module("chapters.ch09_scale_out", args, name="ch09", startup_timeout_s=TIMEOUT_S) as running:
+        answers_all_at_once(running.url, "ch09", chat_cases)
+
+
+def answers_all_at_once(url: str, chapter: str, chat_cases) -> None:
+    """Send every case at once; each answer must be transformers' tokens for its prompt."""
     def send(body: dict) -> requests.Response:
-        return requests.post(f"{real_model_server.url}/v1/inference", json=body, timeout=TIMEOUT_S)
+        return requests.post(f"{url}/v1/inference", json=body, timeout=TIMEOUT_S)
 
     with ThreadPoolExecutor(len(chat_cases)) as clients:
         responses = list(clients.map(send, [body for body, _, _ in chat_cases]))
@@ -59,5 +75,5 @@ def test_concurrent_mixed_chat_requests_get_transformers_tokens(real_model_serve
         assert response.status_code == 200, response.text
         answer = response.json()
         assert answer["usage"]["prompt_tokens"] == len(ids)
-        assert answer["output_ids"] == expected, (real_model_server.chapter, body.get("prompt", "ids")[:60])
+        assert answer["output_ids"] == expected, (chapter, body.get("prompt", "ids")[:60])
     assert responses[0].json()["text"].startswith("The capital of France is Paris.")

@@ -267,6 +267,7 @@ def run_chapter(
                 users=users, min_s=profile.min_level_s, max_s=profile.max_level_s,
                 target_requests=profile.target_requests, workload=chosen_workload, seed=seed,
                 vocab_size=profile.vocab_size, request_timeout_s=profile.request_timeout_s, workers=loadgen_workers,
+                first_round_s=profile.first_round_s,
             )
             level = run_level(server.url, plan, server_pid=server.pid, loadgen_cores=loadgen_cores, work_dir=work_dir,
                               stats_source=stats_source)

@@ -60,6 +60,7 @@ class LevelPlan:
     vocab_size: int
     request_timeout_s: float
     workers: int = 0  # 0: one Locust process; N >= 1: a master and N worker processes sharing the users
+    first_round_s: float = FIRST_ROUND_ALLOWANCE_S  # every user's first answer within this, or the level fails
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ def _master_flags(distribution: Distribution | None) -> list[str]:
 
 def locust_command(url: str, plan: LevelPlan, csv_prefix: Path, distribution: Distribution | None = None) -> list[str]:
     """The single process's command, or with ``distribution`` the master's (which then runs no users itself)."""
-    run_time_s = int(round(plan.max_s + FIRST_ROUND_ALLOWANCE_S))
+    run_time_s = int(round(plan.max_s + plan.first_round_s))
     return [
         sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
         "-u", str(plan.users), "-r", str(plan.users), "-t", f"{run_time_s}s",
@@ -444,14 +445,14 @@ def run_level(
     poller = StatsPoller(url, stats_source) if stats_source is not None else None
     exit_code, run, sampler = _run_locust(
         processes, server_pid=server_pid, loadgen_cores=loadgen_cores,
-        timeout_s=plan.max_s + FIRST_ROUND_ALLOWANCE_S + PROCESS_GRACE_S + _connect_allowance(plan.workers),
+        timeout_s=plan.max_s + plan.first_round_s + PROCESS_GRACE_S + _connect_allowance(plan.workers),
         what=f"the level at {plan.users} users", poller=poller,
     )
     records = run["requests"]
     if run["steady_at"] is None:
         raise RuntimeError(
             f"the level at {plan.users} users never reached a steady state (not every user got a first answer "
-            f"within {FIRST_ROUND_ALLOWANCE_S:.0f} s); log: {log_path}"
+            f"within {plan.first_round_s:.0f} s); log: {log_path}"
         )
     window_start = run["steady_at"]
     window_end = run["stopping_at"] or max((r[0] + r[1] for r in records), default=window_start)

@@ -28,6 +28,8 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from benchmarks.harness.loadgen import FIRST_ROUND_ALLOWANCE_S
+
 GPT2_WEIGHTS_ENV = "SFS_BENCH_GPT2_WEIGHTS"
 TINY_VOCAB = 258
 GPT2_VOCAB = 50257
@@ -72,6 +74,7 @@ class Profile:
     server_core_budget: int | None  # cores given to the server when pinned; None: all but the load generator's
     warmup_requests: int
     request_timeout_s: float = 120.0
+    first_round_s: float = FIRST_ROUND_ALLOWANCE_S  # a level fails unless every user has a first answer within this
     extra_env: tuple[tuple[str, str], ...] = ()  # more settings for every server, as SFS_* variables
     open_loop: OpenLoopSettings | None = None  # the open-loop sweep (python -m benchmarks openloop)
     model: str = ""  # the served weights' short name where they are not the profile's own (with_weights)
@@ -183,9 +186,15 @@ def weights_name(weights: str) -> str:
     return weights if weights in ("smollm2", "dummy", "default") else Path(weights).stem or Path(weights).name
 
 
+# A real model's answer costs tens of times the embedded GPT's: chapter 1, one answer at a time, gives 64
+# users their first answers in minutes, not seconds. A bound, not a duration: a faster server never waits it.
+REAL_MODEL_WAIT_S = 300.0
+
+
 def with_weights(profile: Profile, weights: str | None) -> Profile:
     """``profile`` serving ``weights`` under the same loads: answers checked against that model's vocabulary,
-    results named for it. ``None`` or the profile's own weights: ``profile`` itself."""
+    results named for it, and as long for a first round and an answer as :data:`REAL_MODEL_WAIT_S`.
+    ``None`` or the profile's own weights: ``profile`` itself."""
     args = [a for a in profile.model_args if not a.startswith("--weights")]
     if weights is None or f"--weights={weights}" in profile.model_args:
         return profile
@@ -193,7 +202,9 @@ def with_weights(profile: Profile, weights: str | None) -> Profile:
 
     preset = next((a.split("=", 1)[1] for a in args if a.startswith("--preset=")), "tiny")
     return replace(profile, model_args=(*args, f"--weights={weights}"), model=weights_name(weights),
-                   vocab_size=weights_config(weights, preset).vocab_size)
+                   vocab_size=weights_config(weights, preset).vocab_size,
+                   first_round_s=max(profile.first_round_s, REAL_MODEL_WAIT_S),
+                   request_timeout_s=max(profile.request_timeout_s, REAL_MODEL_WAIT_S))
 
 
 def get_profile(name: str, weights: str | None = None) -> Profile:

@@ -41,23 +41,32 @@ class Bf16MatmulLinear(nn.Module):
     accumulating in fp32); a smaller call uses the fp32 weights, because there the bf16 kernel's
     fixed cost is larger than the arithmetic it saves. This is what CPU inference stacks do with
     bf16 (autocast, oneDNN): matrix products in bf16, LayerNorm, softmax and the KV cache in fp32.
+
+    The layer keeps only the weights its calls read: no fp32 copy where every call multiplies in bf16
+    (``min_rows <= 1``), no bf16 copy where none does (``min_rows`` is :data:`NEVER`).
     """
 
     def __init__(self, linear: nn.Linear, min_rows: int) -> None:
         super().__init__()
         self.in_features, self.out_features, self.min_rows = linear.in_features, linear.out_features, min_rows
-        self.weight = nn.Parameter(linear.weight.detach().float(), requires_grad=False)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+        fp32_used, bf16_used = min_rows > 1, min_rows < NEVER
+        weight, bias = linear.weight.detach().float(), None if linear.bias is None else linear.bias.detach().float()
+        self.weight = nn.Parameter(weight, requires_grad=False) if fp32_used else None
+        self.bias = nn.Parameter(bias, requires_grad=False) if fp32_used and bias is not None else None
         # not a buffer: oneDNN's layout is an opaque tensor that cannot be moved, saved or deep-copied
-        self.weight_bf16 = onednn_layout(self.weight.detach().to(torch.bfloat16))
-        self.register_buffer("bias_bf16", None if self.bias is None else self.bias.detach().to(torch.bfloat16))
+        self.weight_bf16 = onednn_layout(weight.to(torch.bfloat16)) if bf16_used else None
+        self.register_buffer("bias_bf16", bias.to(torch.bfloat16) if bf16_used and bias is not None else None)
 
     def __deepcopy__(self, memo: dict) -> Bf16MatmulLinear:
         """A copy that lays out its own bf16 weights (oneDNN's opaque copy has no storage to copy)."""
         clone = type(self).__new__(type(self))
         memo[id(self)] = clone
         clone.__dict__.update({name: copy.deepcopy(value, memo) for name, value in self.__dict__.items() if name != "weight_bf16"})
-        clone.weight_bf16 = onednn_layout(clone.weight.detach().to(torch.bfloat16))
+        if self.weight_bf16 is not None:
+            plain = self.weight_bf16.to_dense() if self.weight_bf16.is_mkldnn else self.weight_bf16
+            clone.weight_bf16 = onednn_layout(plain.clone())
+        else:
+            clone.weight_bf16 = None
         return clone
 
     def forward(self, x: Tensor) -> Tensor:

@@ -36,7 +36,8 @@ streams because this backend can and the server is given a writer of server-sent
 and samples because its contract takes the sampling fields,
 :mod:`~chapters.ch08_continuous_batching.sampled_contract`), plus ``/v1/completions`` and
 ``/v1/models`` (:mod:`~chapters.ch08_continuous_batching.openai_api`: sampling, stop strings,
-log-probabilities).
+log-probabilities) and ``/v1/chat/completions`` (:mod:`~chapters.ch08_continuous_batching.chat_api`:
+messages through the model's own chat template, a turn ending at its end-of-turn token).
 
 ``--otlp-endpoint``: one OpenTelemetry trace per request, from the shell to each prefill chunk and
 the decode steps (:mod:`~chapters.ch08_continuous_batching.tracing`,
@@ -66,6 +67,7 @@ from chapters.ch07_production.server import ProductionOptions, serve
 from chapters.ch07_production.server import build_app as build_production_app
 from chapters.ch08_continuous_batching.attention_choice import ATTENTION_CHOICES, choose_attention
 from chapters.ch08_continuous_batching.attention_gather import GatherAttention
+from chapters.ch08_continuous_batching.chat_api import ChatApi
 from chapters.ch08_continuous_batching.continuous_backend import ContinuousBackend, continuous_state
 from chapters.ch08_continuous_batching.continuous_metrics import ContinuousCollector
 from chapters.ch08_continuous_batching.cuda_graphs import recorded_decodes
@@ -79,6 +81,7 @@ from chapters.ch08_continuous_batching.startup_cache import quiet_unactionable_w
 from chapters.ch08_continuous_batching.streaming import write_sse_stream
 from chapters.ch08_continuous_batching.step_tracing import TracedStepThread
 from chapters.ch08_continuous_batching.tracing import TracedRequests, log_trace_ids, tracing_for
+from shared.model import DecoderModel
 from shared.settings import ServerSettings, parse_settings, refused_flags_exit
 from shared.unwritten import or_meanwhile
 from shared.weights import LoadedModel
@@ -173,6 +176,8 @@ def build_backend(settings: ContinuousSettings, loaded: LoadedModel,
         log.info("engine: the rule chose %s, which cannot run a packed step; running %s eagerly (this chapter records "
                  "its own decode graphs)", step_engine.label, step_engine.precision)
         step_engine = build_engine(loaded.model, "eager", step_engine.precision)
+    if isinstance(getattr(step_engine, "module", None), DecoderModel):
+        loaded.model = step_engine.module  # a cast copied the weights: the version keeps one copy, the one it serves
     model = packed_model(step_engine)
     kv_dtype = kv_cache_dtype(settings.kv_cache_dtype, multiplies_in_bf16(step_engine), step_engine.dtype)
     plan = plan_pool(settings, settings.max_num_seqs, loaded.config, kv_dtype, step_engine.device)  # chapter 4's rule
@@ -207,7 +212,8 @@ def build_app(settings: ContinuousSettings, wrap_model: Callable[[PackedModel], 
     app.state.metrics_registry.register(ContinuousCollector(
         lambda: [(v.name, v.backend) for v in list(versions.values()) if v.backend is not None]))
     model_name = settings.served_model_name or served_name(app.state.first_source)
-    CompletionsApi(app.state.backend, app.state.tokenizer, app.state.limits, model_name, settings.stream_interval).register(app)
+    for api in (CompletionsApi, ChatApi):
+        api(app.state.backend, app.state.tokenizer, app.state.limits, model_name, settings.stream_interval).register(app)
     app.state.tracing = tracing_for(settings.otlp_endpoint) if settings.otlp_endpoint else None
     if app.state.tracing is not None:  # outermost: its span is current while chapter 7's shell logs the request
         app.add_middleware(TracedRequests, tracing=app.state.tracing)
