@@ -31,6 +31,7 @@ setup:
 # root and apt-get to install it here, and skips with the reason where it cannot (CI fails instead).
 browser:
 	@if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		echo "installing the distribution's chromium and chromium-driver with apt-get (as root), for the live page's browser test"; \
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; \
 	else echo "chromium and chromedriver are missing and cannot be installed here (root and apt-get needed): the browser test will skip"; fi
 

@@ -51,13 +51,13 @@ READING_ORDER: dict[str, tuple[str, ...]] = {
     "ch08": ("scheduler.py", "sequence.py", "block_manager.py", "paged_cache.py", "model_runner.py", "paged_attention.py",
              "attention_gather.py", "attention_flex.py", "attention_kernel.py", "*.c", "attention_*.py", "startup_cache.py",
              "sampling.py", "stop_strings.py", "step_thread.py", "request_stream.py", "continuous_backend.py",
-             "streaming.py", "openai_api.py", "sampled_contract.py", "continuous_metrics.py", "tracing.py", "step_tracing.py", "cuda_graphs.py"),
+             "streaming.py", "openai_api.py", "chat_api.py", "sampled_contract.py", "continuous_metrics.py", "tracing.py", "step_tracing.py", "cuda_graphs.py"),
     "ch09": ("replica.py", "routing.py", "edge.py", "cluster.py", "stopping.py", "simulation.py", "plots.py"),
 }
 
 # What composes the lesson rather than teaching it, shown last in this order, in every chapter.
-WIRING: tuple[str, ...] = ("live_*.py", "server.py", "__main__.py", "__init__.py", "ui/*", "deploy/*", "README.md",
-                           "RESULTS.md")
+WIRING: tuple[str, ...] = ("live_*.py", "server.py", "__main__.py", "__init__.py", "ui/*", "deploy/*", "Dockerfile*",
+                           "README.md", "RESULTS.md")
 # The lesson's pages, not its code: left out unless --readme asks for them.
 PAGES = {"README.md", "RESULTS.md"}
 

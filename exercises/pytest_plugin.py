@@ -7,6 +7,9 @@
   and ``shared`` are imported from DIR, so an installed copy can never be graded by mistake.
 - ``EXERCISES_REPORT=FILE``: write each graded test's exercises, outcome and failure text as JSON
   (the grade table is built from it).
+- On a Python whose parser may fail inside pytest's failure report (:data:`AST_DEPTH_BUG`), tracebacks
+  are Python's own (``--tb=native``) unless another style is asked for, so a failing check still ends
+  in a summary that names the exercise.
 - ``EXERCISES_STUB=own`` (the meta-test, on a toggle tree only): while a graded test runs, its own
   exercises are stubbed, so its failure shows what a learner who has not written them would see.
   ``EXERCISES_STUB=around``: its own exercises and what they need (``exercises/course.py``) are
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -57,7 +61,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+# CPython before gh-106905's fix (3.11.8, 3.12.2) may raise "AST constructor recursion depth mismatch"
+# while pytest parses source to format a failure: the run ends in INTERNALERROR, with no summary naming
+# the failing exercise. Python's own traceback format parses nothing.
+AST_DEPTH_BUG = (3, 11) <= sys.version_info[:3] < (3, 11, 8) or (3, 12) <= sys.version_info[:3] < (3, 12, 2)
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    if AST_DEPTH_BUG and config.option.tbstyle == "auto":
+        config.option.tbstyle = "native"
     for exercise in discover(_chapters_root()):
         config.addinivalue_line("markers", f"{exercise.marker_name}: graded tests of exercise {exercise.id} ({exercise.title})")
     if os.environ.get(REPORT_ENV):

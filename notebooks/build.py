@@ -72,6 +72,15 @@ def notebook(title: str, intro: str, cells: list[tuple[str, str]], look_at: str,
     return book
 
 
+def real_model_cell(labels: tuple[str, ...]) -> tuple[str, str]:
+    """The chapter's step again on a real model: the committed climb serving SmolLM2-135M-Instruct."""
+    plot = ('show(plots.plot_queue_nobody_shows, real, ("ch01",))' if labels == ("ch01",) else
+            f'show(plots.plot_latency_and_qps, real, {labels!r}, title="{" against ".join(reversed(labels))}, on SmolLM2-135M")')
+    return ("## The same step on a real model\n\nThe climb serving SmolLM2-135M-Instruct (`make climb WEIGHTS=smollm2`; "
+            "`SFS_REAL_MODEL_RESULTS_DIR` plots your own): the same loads, a model forty times the parameters.",
+            f"real = plots.load_all(plots.real_model_dir())[0]\n{plot}")
+
+
 NOTEBOOKS = {
     "ch01_flask_sync": notebook(
         "Chapter 1: a synchronous server, and the queue nobody shows",
@@ -84,6 +93,7 @@ NOTEBOOKS = {
             ("## The time the client sees against the time the server computes\n\nThe server's own `total` covers "
              "only the time after it accepted the connection; the client's clock starts when it sent the request.",
              'show(plots.plot_client_vs_server, closed.get("ch01"))'),
+            real_model_cell(('ch01',)),
         ],
         "- In the first plot, the measured P50 follows the dotted `users × P50 alone` line: each extra user waits "
         "for one more request to finish before its own starts. A second worker (`ch01-workers`) halves the queue "
@@ -107,6 +117,7 @@ NOTEBOOKS = {
              '                 else "> Both ch01 and ch02 are needed for this table."))'),
             ("## Where one request's time goes\n\nThe server's own stages (`timings_ms`), stacked, at each load.",
              'show(plots.plot_stage_breakdown, closed.get("ch02"))'),
+            real_model_cell(('ch01', 'ch02')),
         ],
         "- On one core, async alone does not compute faster: throughput stays near chapter 1's, because one "
         "inference still runs at a time. The article's jump (its GPU) came from overlapping I/O with a device.\n"
@@ -133,6 +144,7 @@ NOTEBOOKS = {
              'show(plots.plot_window_tradeoff, closed, "ch02", "ch03")\nsay(plots.window_cost, closed, "ch02", "ch03")'),
             ("## Where the time goes in a batching server",
              'show(plots.plot_stage_breakdown, closed.get("ch03"))'),
+            real_model_cell(('ch02', 'ch03')),
         ],
         "- Batch sizes follow the load: at one user every batch holds one request; at high concurrency most "
         "requests ride in large batches, which is where the throughput comes from.\n"
@@ -156,6 +168,7 @@ NOTEBOOKS = {
             ("## The pool over time under load\n\nBlocks in use and the share of reserved slots actually written, "
              "as `/stats` reported them every half second.", 'show(plots.plot_pool_over_time, closed.get("ch04"))'),
             ("## Rejections (429) and fallbacks", "show(plots.plot_rejections, closed)"),
+            real_model_cell(('ch03', 'ch04')),
         ],
         "- At one user, compare the two medians at each prompt length with the scatter around them: one row's cache "
         "of this tiny model (at most 128 + 256 positions) is cheap to copy next to the rest of a step, so a gap, if "
@@ -182,6 +195,7 @@ NOTEBOOKS = {
             ("## In the server: chapter 4 against chapter 5 and its variants",
              'show(plots.plot_latency_and_qps, closed, ("ch04", "ch05", "ch05-fp32", "ch05-onnxruntime"), '
              '"Chapter 5 in the server, beside chapter 4")'),
+            real_model_cell(('ch04', 'ch05')),
         ],
         "- Up and to the right is better in the first panel: a precision that gains throughput without losing "
         "accuracy is free; one that loses accuracy must buy a lot of speed to be worth it.\n"
@@ -200,6 +214,7 @@ NOTEBOOKS = {
             ("## One user, with and without the adaptive window",
              'show(plots.plot_one_user_latency, closed, ("ch05", "ch06"))'),
             ("## Under load", 'show(plots.plot_latency_and_qps, closed, ("ch05", "ch06"), "Chapter 5 against chapter 6")'),
+            real_model_cell(('ch05', 'ch06')),
         ],
         "- The heatmap is flat near its top: several settings are within noise of the chosen one, so the tuner's "
         "choice matters less than avoiding the bad corner (small batches, long windows).\n"
@@ -224,6 +239,7 @@ NOTEBOOKS = {
              "measured after the warm-up, then after every share of the requests. Recorded by "
              "`python -m chapters.ch07_production.leakcheck --samples N --out ...` into `ch07/leak-<lesson>.json`.",
              "show(lambda: plots.plot_leak_curves(plots.load_leak_curves(RESULTS_DIR)))"),
+            real_model_cell(('ch06', 'ch07')),
         ],
         "- Readiness turns 503 at once on SIGTERM, before anything else: a load balancer stops sending traffic "
         "while the requests already accepted are still running.\n"
@@ -256,6 +272,7 @@ NOTEBOOKS = {
              "forward) and `update` (tokens appended, finished sequences retired). Right: what each step of the highest "
              "load computed, decode rows and prompt-chunk tokens in the same forward pass.",
              "show(lambda: plots.plot_step_split(plots.load_step_records(RESULTS_DIR)))"),
+            real_model_cell(('ch07', 'ch08')),
         ],
         "- TTFT is where streaming shows: chapter 8's first token comes after one prefill step, chapter 6's "
         "(which does not stream) only with the whole answer, so its TTFT is its E2E.\n"
@@ -346,6 +363,13 @@ NOTEBOOKS = {
              'gpu_dir = Path(os.environ.get("SFS_GPU_RESULTS_DIR") or ROOT / "benchmarks/reference/gpu")\n'
              "gpu_closed = plots.load_all(gpu_dir)[0] if gpu_dir.exists() else {}\n"
              "show(plots.plot_cpu_gpu_article, closed, gpu_closed)"),
+            ("## The climb on a real model\n\nThe same loads serving SmolLM2-135M-Instruct (`make climb WEIGHTS=smollm2`; "
+             "`SFS_REAL_MODEL_RESULTS_DIR` plots your own): the Llama architecture, forty times the parameters.",
+             "real = plots.load_all(plots.real_model_dir())[0]\n"
+             "real_chapters = sorted(set(report.ARTICLE_CHAPTERS) | set(real))\n"
+             "real_notes = report.missing_chapter_notes(real_chapters)\n"
+             "display(Markdown(report.render_table(real, real_chapters, real_notes)))\n"
+             'show(report.plot_climb, report.build_rows(real, real_chapters, real_notes), title="The climb on SmolLM2-135M")'),
             ("## Latency against load (closed loop)",
              'show(report.plot_latency_vs_load, closed, title="Latency against load")'),
             ("## The knee, from the open loop\n\nArrivals at a fixed offered rate whatever the answers: the load "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,8 @@ from safetensors.torch import load_file, save_file
 from shared.model import GPT, PRESETS, DecoderModel, ModelConfig, build_model, init_weights
 from shared.settings import SettingsError
 from shared.tokenizer import ByteTokenizer, Tokenizer, load_hf_tokenizer
+
+log = logging.getLogger("shared.weights")
 
 DEFAULT_WEIGHTS = Path(__file__).parent / "weights" / "tiny-default.safetensors"
 _CONFIG_KEY = "serving_from_scratch.config"
@@ -297,8 +300,11 @@ def load_served_model(settings, weights: str | None = None, seed: int = 0) -> Lo
     """The model a server's settings name (:class:`shared.settings.ServerSettings`): weights, preset, device, dtype, context."""
     from shared.devices import choose_device
 
-    return load_model(weights or settings.weights, settings.preset, choose_device(settings.device), settings.torch_dtype,
-                      seed=seed, context=settings.context)
+    loaded = load_model(weights or settings.weights, settings.preset, choose_device(settings.device), settings.torch_dtype,
+                        seed=seed, context=settings.context)
+    log.info("weights %s: %s parameters, %s, %d positions served, loaded in %.1f s", loaded.source,
+             f"{sum(p.numel() for p in loaded.model.parameters()):,}", loaded.model.dtype, loaded.config.n_ctx, loaded.load_seconds)
+    return loaded
 
 
 class _NoTextTokenizer:

@@ -31,6 +31,8 @@ from chapters.ch05_inference_engine.bf16_matmul import (
     NEVER,
     Bf16GatedMLP,
     Bf16MatmulLinear,
+    bf16_rows,
+    onednn_layout,
     with_bf16_matmuls,
 )
 from chapters.ch05_inference_engine.cudagraph_engine import CudaGraphEngine
@@ -227,9 +229,19 @@ def test_a_bf16_layer_keeps_only_the_weights_its_calls_read(llama: DecoderModel,
         linears = [m for m in layer.modules() if isinstance(m, Bf16MatmulLinear)]
         assert {m.weight is not None for m in linears} == {fp32_kept}
         assert {m.weight_bf16 is not None for m in linears} == {bf16_kept}
+        if bf16_kept:  # a copy lays its bf16 weights out as the original's are (oneDNN's blocked layout where it has one)
+            assert {m.weight_bf16.is_mkldnn for m in linears} == {onednn_layout(torch.ones(2, 2).bfloat16()).is_mkldnn}
         ids = torch.tensor([list(b"the quick brown fox")])
         with torch.no_grad():
             torch.testing.assert_close(layer(ids), llama(ids), atol=0.5, rtol=0.05)
+
+
+@pytest.mark.parametrize("rows, padded", [(1, 16), (16, 16), (17, 32), (32, 32), (33, 48)])
+def test_bf16_rows_pad_to_the_bucket_only_what_is_not_already_a_multiple(rows: int, padded: int) -> None:
+    x = torch.randn(rows, 8)
+    out = bf16_rows(x)
+    assert out.shape == (padded, 8) and out.dtype == torch.bfloat16
+    assert torch.equal(out[:rows], x.bfloat16()) and not out[rows:].any()
 
 
 def test_the_gated_mlp_is_exact_below_its_threshold_and_bf16_above(llama: DecoderModel) -> None:

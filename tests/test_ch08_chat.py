@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 import openai
+import torch
 import pytest
 import requests
 
@@ -145,3 +146,75 @@ def test_a_model_without_a_chat_template_answers_the_route_with_a_400() -> None:
     with pytest.raises(ApiError) as refused:
         api.parse(json.dumps({"model": "tiny", "messages": CAPITAL}).encode())
     assert refused.value.status == 400 and "no chat template" in str(refused.value)
+
+
+# -- stop strings and log-probabilities, exact against transformers (both OpenAI routes) ---------------------
+
+
+def token_offsets(tokenizer, ids: list[int]) -> list[int]:
+    """Where each token's text starts in the decoded answer (characters)."""
+    return [len(tokenizer.decode(ids[:i])) for i in range(len(ids))]
+
+
+def cut_by(stop: str, tokenizer, turn: list[int]) -> tuple[str, int, int]:
+    """(the text shown, the tokens with log-probabilities, the tokens generated) when ``stop`` ends ``turn``:
+    the text up to the stop, the tokens whose text starts before it, and every token up to the one that completes it."""
+    whole = tokenizer.decode(turn)
+    cut = whole.index(stop)
+    generated = next(k + 1 for k in range(len(turn)) if stop in tokenizer.decode(turn[: k + 1]))
+    shown = sum(1 for offset in token_offsets(tokenizer, turn) if offset < cut)
+    return whole[:cut], shown, generated
+
+
+@pytest.fixture(scope="module")
+def capital(llama_oracle) -> tuple[list[int], list[int]]:
+    return oracle_turn(llama_oracle, CAPITAL)
+
+
+STOPS = {"inside one token": "ari", "across two tokens": "France is"}
+
+
+@pytest.mark.parametrize("where", STOPS)
+def test_a_stop_string_leaves_the_text_the_logprobs_and_the_stream_alike(client, model_name, llama_oracle, capital, where) -> None:
+    stop, tokenizer = STOPS[where], llama_oracle.tokenizer
+    ids, turn = capital
+    offsets = token_offsets(tokenizer, turn)
+    start = tokenizer.decode(turn).index(stop)
+    inside = [i for i in range(len(turn)) if offsets[i] <= start and start + len(stop) <= offsets[i] + len(tokenizer.decode(turn[i:i + 1]))]
+    assert bool(inside) == (where == "inside one token"), "the stop must lie where the case says"
+    text, shown, generated = cut_by(stop, tokenizer, turn)
+    reply = client.completions.create(model=model_name, prompt=ids, max_tokens=LONGEST_TURN, stop=[stop], logprobs=2)
+    choice = reply.choices[0]
+    assert (choice.text, choice.finish_reason, reply.usage.completion_tokens) == (text, "stop", generated)
+    assert choice.logprobs.text_offset == offsets[:shown]
+    assert choice.logprobs.tokens == [tokenizer.decode([t]) for t in turn[:shown]]
+    streamed = list(client.completions.create(model=model_name, prompt=ids, max_tokens=LONGEST_TURN, stop=[stop], logprobs=2, stream=True))
+    entries = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == text
+    assert [offset for e in entries for offset in e.text_offset] == offsets[:shown]
+    chat = client.chat.completions.create(model=model_name, messages=CAPITAL, stop=[stop], logprobs=True, top_logprobs=1, stream=True)
+    chunks = list(chat)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert [e.token for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content] == \
+        [tokenizer.decode([t]) for t in turn[:shown]]
+
+
+def test_sampled_logprobs_are_the_models_own_for_the_chosen_token_and_its_alternatives(client, model_name, llama_oracle, capital) -> None:
+    """Sampled at temperature 1, the chosen tokens are often not the most likely: each entry must hold the
+    model's log-softmax of the token it chose, and the alternatives' must be the model's most likely."""
+    ids, _ = capital
+    tokenizer = llama_oracle.tokenizer
+    reply = client.completions.create(model=model_name, prompt=ids, max_tokens=24, temperature=1.0, seed=11, logprobs=3)
+    by_text = {}
+    for token_id in range(tokenizer.vocab_size if hasattr(tokenizer, "vocab_size") else len(tokenizer)):
+        by_text.setdefault(tokenizer.decode([token_id]), []).append(token_id)
+    logprobs = reply.choices[0].logprobs
+    chosen = [by_text[text][0] if len(by_text.get(text, [])) == 1 else None for text in logprobs.tokens]
+    assert all(c is not None for c in chosen), "every sampled token's text names one token"
+    assert reply.usage.completion_tokens == len(chosen)
+    model = torch.log_softmax(llama_oracle.logits(ids + chosen[:-1])[len(ids) - 1:].float(), dim=-1)
+    assert any(model[i].argmax() != c for i, c in enumerate(chosen)), "sampling chose only the most likely tokens: no test"
+    for i, (token, value, top) in enumerate(zip(chosen, logprobs.token_logprobs, logprobs.top_logprobs)):
+        assert value == pytest.approx(float(model[i, token]), abs=2e-3), i
+        best = torch.topk(model[i], 3)
+        assert {tokenizer.decode([t]): float(v) for t, v in zip(best.indices.tolist(), best.values)} == pytest.approx(top, abs=2e-3), i

@@ -149,6 +149,25 @@ def test_the_kernel_maps_each_query_head_to_its_key_value_head_as_gather_does(ca
     assert torch.equal(kernel(0, *(t.contiguous() for t in (q, k, v))), got)
 
 
+def test_the_kernel_rounds_new_keys_and_values_to_bf16_as_torch_does_ties_to_even() -> None:
+    """Every new key and value exactly halfway between two bf16 numbers, half of them below an even one
+    and half below an odd one: ties-to-even (torch's rounding, gather's) and half-up disagree on every
+    second number, which random values almost never show."""
+    config = ModelConfig(vocab_size=16, n_ctx=64, n_embd=4 * 16, n_layer=1, n_head=4, family="llama", n_kv_head=2)
+    rows, rng = 4, random.Random(5)
+    store = PagedKVStore(KVMemoryPool(config, 64 * 4, block_tokens=4, dtype=torch.bfloat16))
+    inputs, _ = scattered_decode_inputs(store, [rng.randint(1, 20) for _ in range(rows)], rng)
+    bits = torch.randn(1, rows, config.n_embd + 2 * config.kv_width).bfloat16().float().view(torch.int32)
+    ties = (bits | 0x8000).view(torch.float32)  # the low half exactly 0x8000: a tie between two bf16 numbers
+    assert {int(b) & 0x10000 for b in bits.flatten().tolist()} == {0, 0x10000}, "ties below even and odd numbers"
+    q, k, v = (t.view(1, rows, -1, 16).transpose(1, 2) for t in ties.split([config.n_embd, config.kv_width, config.kv_width], dim=2))
+    before = store.pool.storage.clone()
+    build_attention("gather", store).bind(inputs)(0, q, k, v)
+    written, store.pool.storage[:] = store.pool.storage.clone(), before
+    build_attention("kernel", store).bind(inputs)(0, q, k, v)
+    assert torch.equal(store.pool.storage.view(torch.int16), written.view(torch.int16))
+
+
 # flex's compilation for the bf16 cache is most of its time: with make test-slow
 @pytest.mark.parametrize("attention", ["gather", pytest.param("flex", marks=pytest.mark.slow), "kernel"])
 def test_a_bf16_cache_keeps_every_steps_logits_within_the_measured_bound(llama_tiny, attention: str) -> None:

@@ -87,8 +87,8 @@ class FakeRunner(ModelRunner):
 
 
 def fake_setup(max_num_seqs: int, budget: int, policy: str = "grow", blocks: int = 16, block_tokens: int = 4,
-               attention: str = "gather") -> tuple[ContinuousScheduler, FakeRunner]:
-    pool = KVMemoryPool(FAKE_CONFIG, blocks * block_tokens, block_tokens=block_tokens)
+               attention: str = "gather", dtype: torch.dtype = torch.float32) -> tuple[ContinuousScheduler, FakeRunner]:
+    pool = KVMemoryPool(FAKE_CONFIG, blocks * block_tokens, block_tokens=block_tokens, dtype=dtype)
     store = PagedKVStore(pool)
     scheduler = ContinuousScheduler(store, SchedulerConfig(max_num_seqs, budget, policy))
     return scheduler, FakeRunner(FakePackedModel(), store, attention_here(attention, store))

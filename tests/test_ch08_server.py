@@ -390,3 +390,52 @@ def test_stats_read_while_the_step_thread_records_a_step_still_answers() -> None
     described = clock.describe()
     assert [step["tokens"] for step in described["recent"]] == [1], "the read shows the steps as of its start"
     assert [step.tokens for step in clock.recent] == [1, 2], "and the step recorded meanwhile is kept"
+
+
+def test_every_route_that_generates_is_logged_counted_and_answered_with_a_request_id(caplog) -> None:
+    """Chapter 7's shell sees the OpenAI routes as it sees ``/v1/inference``: an ``X-Request-ID`` on every
+    answer (errors and streams included), one JSON log line each, and the latency histogram's count."""
+    import logging
+
+    from chapters.ch07_production.request_log import REQUEST_LOG
+
+    app = build_app(settings())
+    caplog.set_level(logging.INFO, logger=REQUEST_LOG)
+    model = "tiny-default"
+    calls = [
+        ("/v1/inference", {"input_ids": [5, 6, 7], "max_new_tokens": 3}, 200),
+        ("/v1/completions", {"model": model, "prompt": [5, 6, 7], "max_tokens": 3}, 200),
+        ("/v1/completions", {"model": model, "prompt": [5, 6, 7], "max_tokens": 3, "stream": True}, 200),
+        ("/v1/completions", {"model": model, "prompt": [5, 6, 7], "max_tokens": 0}, 422),
+        ("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "hi"}]}, 400),  # no template
+    ]
+
+    def latency_count(text: str) -> float:
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "inference_request_latency_seconds_count")
+
+    async def scenario(client: httpx.AsyncClient) -> None:
+        before = latency_count((await client.get("/metrics")).text)
+        caplog.clear()
+        for i, (path, body, status) in enumerate(calls):
+            answer = await client.post(path, json=body, headers={"X-Request-ID": f"route-{i}"})
+            assert answer.status_code == status, (path, answer.text)
+            assert answer.headers["X-Request-ID"] == f"route-{i}", path
+        assert latency_count((await client.get("/metrics")).text) - before == len(calls)
+
+    run(app, scenario)
+    lines = [r for r in caplog.records if r.name == REQUEST_LOG]
+    assert [(r.request_id, r.status) for r in lines] == [(f"route-{i}", status) for i, (_, _, status) in enumerate(calls)]
+    assert [r.output_tokens for r in lines[:3]] == [3, 3, 3]
+
+
+def test_a_list_of_prompts_gets_one_sentence_not_pydantics_union_report() -> None:
+    app = build_app(settings())
+
+    async def scenario(client: httpx.AsyncClient) -> None:
+        answer = await client.post("/v1/completions", json={"model": "tiny-default", "prompt": ["hi", "yo"], "max_tokens": 2})
+        assert answer.status_code == 422
+        message = answer.json()["error"]["message"]
+        assert message.startswith("prompt: one string or one list of token ids") and "union" not in message.lower()
+
+    run(app, scenario)

@@ -16,6 +16,7 @@ import random
 from collections.abc import Callable
 
 import pytest
+import torch
 
 from chapters.ch08_continuous_batching import attention_choice, startup_cache
 from chapters.ch08_continuous_batching.attention_choice import MARGIN, PREFERENCE, PROBE_ROUNDS
@@ -209,3 +210,40 @@ def test_only_the_optional_libraries_warnings_nobody_can_act_on_are_dropped(capl
     logging.getLogger("torchao").warning("something else")  # kept
     kept = [r.getMessage() for r in caplog.records]
     assert kept == [f"Failed to load {so}/_C.abi3.so: undefined symbol", "something else"]
+
+
+@pytest.mark.parametrize("field, change", [
+    ("cpu_flags", lambda m: m.setattr(startup_cache, "cpu_flags", lambda every=False: ["avx2", "fma"])),
+    ("aten_capability", lambda m: m.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")),
+    ("torch", lambda m: m.setattr(torch, "__version__", "0.0.0")),
+    ("torch_threads", lambda m: m.setattr(torch, "get_num_threads", lambda: 97)),
+])
+def test_the_machine_key_changes_with_each_field_a_choice_depends_on(monkeypatch, field, change) -> None:
+    before = startup_cache.machine_key()
+    change(monkeypatch)
+    after = startup_cache.machine_key()
+    assert before[field] != after[field] and {k for k in before if before[k] != after[k]} == {field}
+
+
+def test_the_attention_choice_is_keyed_by_the_caches_dtype(cache, monkeypatch) -> None:
+    keys = []
+    monkeypatch.setattr(attention_choice, "choose_once", lambda what, key, measure, remeasure=False: keys.append(key) or "gather")
+    for dtype in (torch.float32, torch.bfloat16):
+        _, runner = fake_setup(max_num_seqs=4, budget=16, blocks=64, dtype=dtype)
+        attention_choice._by_the_rule(runner.store, runner.model, 4)
+    assert [key["kv"] for key in keys] == ["torch.float32", "torch.bfloat16"]
+
+
+@pytest.mark.parametrize("change", ["source", "cpu flags", "compiler"])
+def test_the_kernels_build_is_named_for_its_source_flags_compiler_and_cpu(cache, monkeypatch, change) -> None:
+    from chapters.ch08_continuous_batching import attention_kernel
+
+    before = attention_kernel.kernel_target("cc", cache)
+    if change == "source":
+        edited = cache / "paged_decode.c"
+        edited.write_text(attention_kernel.KERNEL_SOURCE.read_text() + "\n")
+        monkeypatch.setattr(attention_kernel, "KERNEL_SOURCE", edited)
+    elif change == "cpu flags":
+        monkeypatch.setattr(attention_kernel, "cpu_flags", lambda every=False: ["sse2"])
+    after = attention_kernel.kernel_target("gcc" if change == "compiler" else "cc", cache)
+    assert after != before and after.parent == before.parent == cache

@@ -279,12 +279,12 @@ def test_a_learners_check_line_grades_the_tree_it_stands_in_unsolved_then_solved
     command = checks[exercise.id.replace(".", "_")].split()
     tree = tmp_path / "student-ch03"
     assert exercises_main(["student", "--chapter", "ch03", "--out", str(tree)]) == 0
-    # Native tracebacks: pytest's own (parsed source) met CPython 3.11's "AST constructor recursion depth
-    # mismatch" inside this nested run, an internal error of the reporting, not of the check.
-    pytest_command = [str(Path(sys.executable).with_name("pytest")), *command[1:], "-q", "-p", "no:cacheprovider", "--tb=native"]
+    pytest_command = [str(Path(sys.executable).with_name("pytest")), *command[1:], "-p", "no:cacheprovider"]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "EXERCISES_TREE")}
     unsolved = subprocess.run(pytest_command, cwd=tree, env=env, capture_output=True, text=True, timeout=600)
     assert unsolved.returncode == 1 and exercise.stub_message in unsolved.stdout, unsolved.stdout[-3000:]
+    summary = unsolved.stdout.split("short test summary info")[-1]  # the end of the run names what failed
+    assert "INTERNALERROR" not in unsolved.stdout and "FAILED tests/test_exercises_ch03.py::" in summary, unsolved.stdout[-3000:]
     for region in exercise.regions:  # the learner writes the solution
         (tree / region.path).write_text((ROOT / region.path).read_text(encoding="utf-8"), encoding="utf-8")
     solved = subprocess.run(pytest_command, cwd=tree, env=env, capture_output=True, text=True, timeout=600)

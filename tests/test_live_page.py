@@ -118,9 +118,9 @@ def count(driver, selector: str) -> int:
     return driver.execute_script("return document.querySelectorAll(arguments[0]).length;", selector)
 
 
-def screenshot(driver, chapter: str, tmp_path: Path) -> Path:
+def screenshot(driver, chapter: str, tmp_path: Path, name: str = "live-page.png") -> Path:
     folder = os.environ.get("LIVE_PAGE_SCREENSHOTS")
-    path = Path(folder) / chapter / "live-page.png" if folder else tmp_path / f"{chapter}-live-page.png"
+    path = Path(folder) / chapter / name if folder else tmp_path / f"{chapter}-{name}"
     path.parent.mkdir(parents=True, exist_ok=True)
     assert driver.save_screenshot(str(path)), "the browser took no screenshot"
     return path
@@ -180,6 +180,41 @@ def test_chapter_8_page_shows_sequences_join_and_leave_and_the_block_grid_change
         wait_for(lambda: text(browser, "burst-result") == "shared: 12 × 200", 60, "the shared-prefix burst answered")
         after = requests.get(f"{server.url}/stats", timeout=5).json()["scheduler"]
         assert after["prefix_cache"]["hits_tokens"] > hits_before, "the burst's shared prefix was never found in the cache"
+
+        # The embedded GPT has no chat template: the chat box shows the server's refusal, not a silent nothing.
+        chat(browser, "hello?")
+        wait_for(lambda: "no chat template" in (text(browser, "chat-log") or ""), 30, "the chat box showing the 400's reason")
+
+
+def chat(driver, message: str) -> None:
+    field = driver.find_element("id", "chat-input")
+    field.send_keys(message)
+    driver.find_element("css selector", "#chat-form button").click()
+
+
+def chat_dataset(driver) -> dict:
+    return driver.execute_script("return {...document.getElementById('chat').dataset};")
+
+
+def test_chapter_8_chat_box_streams_a_real_models_turn_while_the_step_view_shows_its_sequence_join_and_leave(browser, tmp_path) -> None:
+    """The chat box with SmolLM2, among other clients' requests: the answer streams in, and the step view
+    outlines the turn's sequence (its ``X-Sequence-Id``), which joins, decodes and leaves at its end of turn."""
+    with serve("ch08", "--weights", "smollm2", "--precision", "fp32", "--attention", "gather", "--probe-interval-s", "3600") as server:
+        wait_for(lambda: requests.get(f"{server.url}/readyz", timeout=5).status_code == 200, 120, "readiness")
+        open_page(browser, server.url)
+        short = lambda rng: {"input_ids": [rng.randrange(1000, 40000) for _ in range(rng.choice((8, 24)))], "max_new_tokens": 24}  # noqa: E731
+        with load(server.url, 3, short) as statuses:
+            chat(browser, "What is the capital of France?")
+            wait_for(lambda: chat_dataset(browser).get("joined") and count(browser, "#running .row.yours") == 1
+                     and count(browser, "#running .row") >= 2, 60, "the turn's row outlined among the running sequences")
+            picture = screenshot(browser, "ch08", tmp_path, "chat-box.png")
+            wait_for(lambda: chat_dataset(browser).get("finish"), 120, "the turn's end")
+        assert statuses and set(statuses) == {200}, f"the load got {sorted(set(statuses))}"
+        assert "model: The capital of France is Paris." in text(browser, "chat-log")
+        seen = chat_dataset(browser)
+        assert (seen.get("decoded"), seen.get("finish")) == ("yes", "stop")
+        wait_for(lambda: chat_dataset(browser).get("left") == "stop", 10, "the step view showing the turn leave at its end of turn")
+        assert picture.stat().st_size > 10_000
 
 
 def test_chapter_3_page_shows_batches_leave_and_why_and_counts_equal_stats(browser, tmp_path) -> None:

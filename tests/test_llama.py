@@ -265,3 +265,11 @@ def test_the_climb_on_smollm2_checks_its_vocabulary_and_keeps_its_results_apart(
     command = locust_command("http://127.0.0.1:1", plan, Path("level"))
     assert int(command[command.index("-t") + 1].removesuffix("s")) >= real.max_level_s + 64 * 2
     assert real.request_timeout_s >= 64 * 2 > plain.request_timeout_s
+
+
+def test_the_gpu_profile_serves_the_real_model(smollm2) -> None:
+    from benchmarks.harness.profiles import SMOLLM2_VOCAB, get_profile
+
+    gpu = get_profile("gpu")
+    assert [a for a in gpu.server_args() if a.startswith("--weights")] == ["--weights=smollm2"]
+    assert gpu.vocab_size == SMOLLM2_VOCAB == smollm2.model.config.vocab_size

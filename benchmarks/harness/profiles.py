@@ -6,9 +6,8 @@
            once 200 successful requests were measured (at least 6 s, at most 25 s), so the whole
            climb of six chapters stays under 15 minutes on 2 cores while every saturated level
            has a P99 sample of 200 or more.
-``gpu``    the article's comparison: the GPT-2 (124 M) shape on CUDA, random weights unless
-           ``SFS_BENCH_GPT2_WEIGHTS`` names a local Hugging Face GPT-2 directory, loads 1/16/64/256,
-           4-12 s a level: the six chapters fit one 10-minute run on a lent GPU.
+``gpu``    the article's comparison on CUDA: the real model, SmolLM2-135M-Instruct (about GPT-2's size),
+           loads 1/16/64/256, 4-12 s a level: the chapters fit one 10-minute run on a lent GPU.
 ``auto``   ``gpu`` where torch sees CUDA, else ``cpu``.
 
 ``--weights`` serves other weights under a profile's loads (:func:`with_weights`): ``--weights smollm2``
@@ -30,9 +29,8 @@ from pathlib import Path
 
 from benchmarks.harness.loadgen import FIRST_ROUND_ALLOWANCE_S
 
-GPT2_WEIGHTS_ENV = "SFS_BENCH_GPT2_WEIGHTS"
 TINY_VOCAB = 258
-GPT2_VOCAB = 50257
+SMOLLM2_VOCAB = 49152  # the packaged GGUF's vocabulary (a test reads it from the file's header)
 
 
 @dataclass(frozen=True)
@@ -117,15 +115,8 @@ def _usable_cores() -> list[int]:
     return list(range(os.cpu_count() or 1))
 
 
-def _gpu_model_args() -> tuple[str, ...]:
-    weights = os.environ.get(GPT2_WEIGHTS_ENV)
-    if weights:
-        return (f"--weights={weights}", "--device=cuda")
-    return ("--weights=dummy", "--preset=gpt2", "--device=cuda")
-
-
 def build_profiles() -> dict[str, Profile]:
-    """The profiles, built now (the gpu profile reads its weights' environment variable)."""
+    """The profiles."""
     return {
         "smoke": Profile(
             name="smoke", levels=(1, 4), min_level_s=2.0, max_level_s=3.0, target_requests=10,
@@ -151,7 +142,7 @@ def build_profiles() -> dict[str, Profile]:
         "gpu": Profile(
             # Sized so the whole climb fits one 10-minute command on a lent GPU machine.
             name="gpu", levels=(1, 16, 64, 256), min_level_s=4.0, max_level_s=12.0, target_requests=300,
-            model_args=_gpu_model_args(), vocab_size=GPT2_VOCAB,
+            model_args=("--weights=smollm2", "--device=cuda"), vocab_size=SMOLLM2_VOCAB,
             # The model runs on the GPU; CPU threads only feed it, and one per process avoids oversubscription.
             torch_threads=1, pin_cores=True, server_core_budget=None, warmup_requests=16,
             # Chapter 4's pool is sized for the top load (its rule: longest sequence x concurrency x 1.2),

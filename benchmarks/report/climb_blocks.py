@@ -8,8 +8,9 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
-from benchmarks.harness.article import ARTICLE_CHAPTERS
+from benchmarks.harness.article import ARTICLE, ARTICLE_CHAPTERS, BASELINE
 from benchmarks.harness.results import (
+    REFERENCE_ROOT,
     BenchmarkResult,
     find_calibration,
     load_open_loop_results,
@@ -189,3 +190,40 @@ def machines_block(this: Mapping[str, BenchmarkResult], previous: Mapping[str, B
               "learner's climb may show against the reference. Read the ratios to chapter 1, and the calibration "
               "lines, before concluding that a server is slower."]
     return "\n".join(lines)
+
+
+# The root README's climb: both models side by side, each from its folder under the cpu reference (``key`` -> the two).
+TWO_MODELS = {"climb-models": (("embedded GPT, 3.3 M", "climb-avx2"), ("SmolLM2-135M-Instruct", "climb-smollm2"))}
+
+
+def two_models_block(models: tuple[tuple[str, str], ...], readme: Path) -> str:
+    """Each chapter's saturation QPS, its ratio to chapter 1 and its P99 at the top load, for each model's
+    climb (a :data:`PARTIAL_CLIMBS` folder), beside the article's ratio; then where each ran and its full report."""
+    loaded = [(name, folder, load_results(REFERENCE_ROOT / "cpu" / folder, "default")) for name, folder in models]
+    rows = {name: {r.chapter: measured_row(r, None) for r in results.values() if r.label == r.chapter} for name, _, results in loaded}
+    chapters = sorted({c for by_chapter in rows.values() for c in by_chapter})
+    head = "| chapter | " + " | ".join(f"{name}: QPS | × ch01 | P99 at top load (ms)" for name, _, _ in loaded) + " | article × ch01 |"
+    lines = [head, "|---|" + "---|---|---|" * len(loaded) + "---|"]
+    for chapter in chapters:
+        cells = []
+        for name, _, _ in loaded:
+            row, first = rows[name].get(chapter), rows[name].get("ch01")
+            if row is None or not row.qps:
+                cells += ["—", "—", "—"]
+                continue
+            ratio = f"{row.qps / first.qps:.2f}×" if first is not None and first.qps else "—"
+            p99 = f"{row.p99_top_ms:,.0f} at {row.top_users}" if row.p99_top_ms is not None else "—"
+            cells += [f"{row.qps:.1f}", ratio, p99]
+        article = ARTICLE.get(chapter)
+        cells.append(f"{article.qps / ARTICLE[BASELINE].qps:.2f}×" if article else "—")
+        lines.append(f"| {chapter} | " + " | ".join(cells) + " |")
+    where = []
+    for name, folder, results in loaded:
+        if not results:
+            where.append(f"{name}: *no results yet*")
+            continue
+        env = representative(results).environment
+        report = relative_path(REFERENCE_ROOT / "cpu" / folder / "climb.md", readme)
+        where.append(f"{name}: {env.cpu_model}, {env.logical_cores} cores, commit {str(env.git_commit)[:10]}, "
+                     f"[the whole report]({report})")
+    return "\n".join(lines) + "\n\nQPS at each chapter's best load; P99 at the top load (ms at users). " + "; ".join(where) + "."

@@ -26,11 +26,13 @@ from benchmarks.harness.results import REFERENCE_ROOT, REPO_ROOT, STUDIES_ROOT, 
 from benchmarks.harness.workload import WORKLOADS
 from benchmarks.report.climb_blocks import (
     PARTIAL_CLIMBS,
+    TWO_MODELS,
     climb_block,
     comparison_block,
     machines_block,
     partial_climb_block,
     previous_result,
+    two_models_block,
 )
 from benchmarks.report.peer_blocks import vllm_peer_block
 from benchmarks.report.scale_out_blocks import (
@@ -122,6 +124,8 @@ def render_key(key: str, results: Mapping[str, BenchmarkResult], directory: Path
         return machines_block(results, load_results(previous, "default") if previous.exists() else {})
     if key == "climb":
         return climb_block(results, directory, readme, profile)
+    if key in TWO_MODELS:
+        return two_models_block(TWO_MODELS[key], readme)
     if key in PARTIAL_CLIMBS:
         folder, how = PARTIAL_CLIMBS[key]
         return partial_climb_block(REFERENCE_ROOT / "cpu" / folder, how, readme)

@@ -1,7 +1,9 @@
 """One structured JSON log line per request, and the per-request context the backend fills in.
 
-:class:`RequestObserver` is a plain ASGI middleware around ``/v1/inference``: it gives the request its
-id (the client's ``X-Request-ID`` when sane, else a fresh one; the contract echoes it), opens a
+:class:`RequestObserver` is a plain ASGI middleware around every route that generates (each ``POST``
+under ``/v1/``: ``/v1/inference``, and the OpenAI routes of a server that adds them): it gives the
+request its id (the client's ``X-Request-ID`` when sane, else a fresh one; every answer carries it in
+that header, errors included), opens a
 :class:`RequestContext` the backend writes into (model version, lengths, stage timings), and when
 the response has been sent records the metrics and writes one line through the standard
 ``logging`` module, formatted as JSON by python-json-logger. The line never holds the prompt or
@@ -23,7 +25,7 @@ from chapters.ch07_production.metrics import RequestMetrics
 from shared.schemas import REQUEST_ID_HEADER, request_id_from
 
 REQUEST_LOG = "chapters.ch07_production.requests"
-INFERENCE_PATH = "/v1/inference"
+GENERATING_PREFIX = "/v1/"  # a POST here asks for tokens: /v1/inference, /v1/completions, /v1/chat/completions
 
 
 @dataclass
@@ -55,14 +57,14 @@ def configure_json_logging(level: str = "info") -> None:
 
 
 class RequestObserver:
-    """ASGI middleware: request id, context, metrics and the request's log line for ``/v1/inference``."""
+    """ASGI middleware: request id, context, metrics and the request's log line for each route that generates."""
 
     def __init__(self, app, metrics: RequestMetrics) -> None:
         self.app, self.metrics = app, metrics
         self.log = logging.getLogger(REQUEST_LOG)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] != INFERENCE_PATH:
+        if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].startswith(GENERATING_PREFIX):
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
@@ -76,6 +78,7 @@ class RequestObserver:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                message = _with_request_id(message, context.request_id)
             elif message["type"] == "http.response.body" and status >= 400:
                 error_body.extend(message.get("body", b""))
             await send(message)
@@ -104,6 +107,14 @@ class RequestObserver:
             "stages_ms": {k: round(v, 3) for k, v in stages.items()},
             **({"memory": context.memory} if context.memory is not None else {}),
         })
+
+
+def _with_request_id(start: dict, request_id: str) -> dict:
+    """The response's start with ``X-Request-ID``, unless the route already set it."""
+    headers = list(start.get("headers") or [])
+    if any(bytes(name).lower() == REQUEST_ID_HEADER.lower().encode() for name, _ in headers):
+        return start
+    return {**start, "headers": [*headers, (REQUEST_ID_HEADER.lower().encode(), request_id.encode("latin-1"))]}
 
 
 def _error_type(body: bytes) -> str | None:

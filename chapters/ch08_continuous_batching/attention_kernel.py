@@ -40,24 +40,27 @@ class KernelUnavailable(RuntimeError):
     """The C kernel cannot be built or loaded here; the message says why."""
 
 
+def kernel_target(compiler: str, cache: Path) -> Path:
+    """Where the build for ``compiler`` lives in ``cache``: named for a digest of the source, the flags, the
+    compiler and every CPU feature flag (``-march=native`` code uses any of them)."""
+    named = "\0".join([KERNEL_SOURCE.read_text(), *KERNEL_FLAGS, compiler, " ".join(cpu_flags(every=True))])
+    return cache / f"paged_decode-{hashlib.sha256(named.encode()).hexdigest()[:16]}.so"
+
+
 def build_kernel(compiler: str | None = None, cache: Path | None = None) -> ctypes.CDLL:
     """``paged_decode.c`` compiled for this machine and loaded; built once, then found in ``cache``
     (default: :func:`~chapters.ch08_continuous_batching.startup_cache.cache_dir`, shared by every process here).
 
-    The file name carries a digest of the source, the flags, the compiler and the CPU's feature flags
-    (``-march=native`` code must not run on another CPU). Raises :class:`KernelUnavailable` with the
+    The file is :func:`kernel_target`'s (``-march=native`` code must not run on another CPU). Raises :class:`KernelUnavailable` with the
     reason when there is no compiler or the build fails.
     """
     compiler = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler or shutil.which(compiler) is None:
         raise KernelUnavailable(f"the kernel backend is built with a C compiler ($CC, cc or gcc), and none was found"
                                 f"{f' ({compiler!r})' if compiler else ''}")
-    cpu = " ".join(cpu_flags(every=True))  # -march=native code uses any of them
-    digest = hashlib.sha256("\0".join([KERNEL_SOURCE.read_text(), *KERNEL_FLAGS, compiler, cpu]).encode()).hexdigest()[:16]
-    cache = cache or cache_dir()
-    target = cache / f"paged_decode-{digest}.so"
+    target = kernel_target(compiler, cache or cache_dir())
     if not target.exists():
-        cache.mkdir(parents=True, exist_ok=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")  # two servers building at once: each renames its own
         done = subprocess.run([compiler, *KERNEL_FLAGS, "-o", str(partial), str(KERNEL_SOURCE), "-lm"],
                               capture_output=True, text=True, timeout=120)

@@ -15,7 +15,9 @@ the same sampling fields, stop strings, refusals and error shape, so the officia
 - ``logprobs`` true with ``top_logprobs`` 0 to 5: the chat shape, one entry per token of the content
   (a token the stop string cut away entirely, and the end-of-turn token, have none);
 - ``stream``: a first chunk with the role, one chunk per token's text, a last one with the
-  ``finish_reason``, ``usage`` with ``stream_options.include_usage``, then ``data: [DONE]``.
+  ``finish_reason``, ``usage`` with ``stream_options.include_usage``, then ``data: [DONE]``;
+- the ``X-Sequence-Id`` header: the turn's sequence as the step view numbers it (the live page's chat
+  box finds its row by it).
 
 A model without a chat template (the embedded GPT) answers the route with a 400 that says so.
 """
@@ -32,7 +34,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from chapters.ch02_fastapi_async.api import Generated, read_body
-from chapters.ch08_continuous_batching.continuous_backend import Completion
+from chapters.ch08_continuous_batching.continuous_backend import Completion, submitted_sequence
 from chapters.ch08_continuous_batching.openai_api import StreamOptions, usage
 from chapters.ch08_continuous_batching.request_stream import SampledToken
 from chapters.ch08_continuous_batching.sampled_contract import SampledRequest
@@ -150,7 +152,7 @@ class ChatApi:
             include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
             tokens = await self.backend.open_stream(valid)  # admission now: a refusal is still a JSON error
             return StreamingResponse(self._chunks(tokens, meta, len(valid.input_ids), include_usage, chat.stops()),
-                                     media_type="text/event-stream", headers=SSE_HEADERS)
+                                     media_type="text/event-stream", headers={**SSE_HEADERS, **sequence_header()})
         result = await self.backend.generate(valid, request.is_disconnected)
         answer = self.answer_ids(result.output_ids)
         content = visible_text(self.tokenizer, answer, chat.stops())
@@ -159,7 +161,7 @@ class ChatApi:
                   "logprobs": self._logprobs(answer, logprobs, content) if logprobs is not None else None,
                   "finish_reason": _finish_reason(result)}
         return JSONResponse({**meta, "object": "chat.completion", "choices": [choice],
-                             "usage": usage(len(valid.input_ids), len(result.output_ids))})
+                             "usage": usage(len(valid.input_ids), len(result.output_ids))}, headers=sequence_header())
 
     def answer_ids(self, output_ids: list[int]) -> list[int]:
         """The tokens whose text is the turn: all but a closing end-of-turn token (only the last can be one)."""
@@ -201,14 +203,23 @@ class ChatApi:
                     return
                 if event in self.end_of_turn:
                     continue  # the turn's end: counted in usage, never shown
+                offset, piece = text.decoded_chars, text.add(event)
+                if text.stopped_at is not None and offset >= text.stopped_at:
+                    continue  # the stop string's token: neither its text nor its log-probabilities are shown
                 logprobs = {"content": [self._entry(int(event), event.logprobs)]} if isinstance(event, SampledToken) else None
-                due = runs.add(chunk({"content": text.add(event)}, None, logprobs))
+                due = runs.add(chunk({"content": piece}, None, logprobs))
                 if due is not None:
                     yield due
         except ApiError as error:
             yield runs.rest(sse(error.body()))  # the client raises APIError from an "error" payload
         finally:
             await tokens.aclose()
+
+
+def sequence_header() -> dict[str, str]:
+    """``X-Sequence-Id``: the id the step view (``/ui/``, ``/stats``) gives this request's sequence, where it ran in this task."""
+    seq_id = submitted_sequence.get()
+    return {"X-Sequence-Id": str(seq_id)} if seq_id is not None else {}
 
 
 def _finish_reason(result: Generated) -> str:

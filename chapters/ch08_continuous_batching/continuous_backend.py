@@ -24,6 +24,7 @@ import asyncio
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 from chapters.ch02_fastapi_async.api import DisconnectCheck, Generated
@@ -37,6 +38,10 @@ from chapters.ch08_continuous_batching.sampling import GREEDY, TokenLogprobs
 from chapters.ch08_continuous_batching.scheduler import Sequence
 from chapters.ch08_continuous_batching.step_thread import StepThread
 from shared.schemas import ValidRequest
+
+# The id of the sequence this request's task submitted last (the live page's row for it): a route that
+# wants it reads it after its call into the backend, which runs in the request's own task.
+submitted_sequence: ContextVar[int | None] = ContextVar("submitted_sequence", default=None)
 
 
 @dataclass
@@ -80,8 +85,9 @@ class ContinuousBackend:
         self.admission.admit()
         arrived = time.perf_counter()
         sampling, stop = (request.sampling, request.stop) if isinstance(request, SampledRequest) else (GREEDY, None)
-        stream = self.step_thread.submit(Sequence(list(request.input_ids), request.max_new_tokens, arrived=arrived,
-                                                  sampling=sampling, stop=stop))
+        seq = Sequence(list(request.input_ids), request.max_new_tokens, arrived=arrived, sampling=sampling, stop=stop)
+        stream = self.step_thread.submit(seq)
+        submitted_sequence.set(seq.seq_id)
         self.in_flight += 1
 
         def ended(result: asyncio.Future) -> None:

@@ -13,8 +13,9 @@ What is supported, and what is refused with a clear 422 instead of being silentl
   returned (``finish_reason`` "stop"; otherwise "length"):
   :mod:`~chapters.ch08_continuous_batching.stop_strings`;
 - ``logprobs``: 0 to 5; each token's log-probability under the model, and that many most likely
-  alternatives (OpenAI's ``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``). They
-  cover every generated token, a stop string's included, as ``usage`` counts them;
+  alternatives (OpenAI's ``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``), for
+  every token of the text shown: none for a token a stop string removed (``usage`` counts every
+  token generated, those too);
 - ``n`` 1, ``echo`` false, no penalties, ``best_of`` 1, no ``logit_bias``, no ``suffix``: any other value
   is refused with a 422 that names the field, never ignored. So is any field this server does not know.
 
@@ -112,6 +113,9 @@ class CompletionsApi:
         except ValidationError as exc:
             if any(e["type"] == "json_invalid" for e in exc.errors()):
                 raise ApiError(400, "invalid_json", "request body is not valid JSON") from None
+            if any(e["loc"][:1] == ("prompt",) for e in exc.errors()):
+                raise ApiError(422, "invalid_request", "prompt: one string or one list of token ids "
+                                                       "(a list of prompts is not supported: send one request each)") from None
             where = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors(include_url=False))
             raise ApiError(422, "invalid_request", where) from None
         if request.model != self.model_name:
@@ -148,12 +152,21 @@ class CompletionsApi:
             )
         result = await self.backend.generate(valid, request.is_disconnected)
         logprobs = result.logprobs if isinstance(result, Completion) else None
+        text = visible_text(self.tokenizer, result.output_ids, completion.stops())
         return JSONResponse({
             **meta,
-            "choices": [_choice(visible_text(self.tokenizer, result.output_ids, completion.stops()), _finish_reason(result),
-                                self._logprobs(result.output_ids, logprobs, self._text_offsets(result.output_ids)) if logprobs is not None else None)],
+            "choices": [_choice(text, _finish_reason(result),
+                                self._shown_logprobs(result.output_ids, logprobs, text) if logprobs is not None else None)],
             "usage": usage(len(valid.input_ids), len(result.output_ids)),
         })
+
+    def _shown_logprobs(self, output_ids: list[int], logprobs: list[TokenLogprobs], text: str) -> dict:
+        """:meth:`_logprobs` of the tokens whose text starts within ``text``, the answer as shown (a stop
+        string may have cut it): none for a token that starts at or after the cut."""
+        offsets = self._text_offsets(output_ids)
+        cut = len(text) if text != self.tokenizer.decode(output_ids) else None
+        shown = len(output_ids) if cut is None else sum(1 for offset in offsets if offset < cut)
+        return self._logprobs(output_ids[:shown], logprobs[:shown], offsets[:shown])
 
     def _logprobs(self, output_ids: list[int], logprobs: list[TokenLogprobs], text_offsets: list[int]) -> dict:
         """OpenAI's completions ``logprobs`` object for ``output_ids``, each token's text starting at its
@@ -182,8 +195,11 @@ class CompletionsApi:
             async for event in tokens:
                 if not isinstance(event, Generated):
                     if isinstance(event, SampledToken):
-                        logprobs = self._logprobs([int(event)], [event.logprobs], [text.decoded_chars])
-                        due = runs.add(sse({**meta, "choices": [_choice(text.add(event), None, logprobs)]}))
+                        offset, piece = text.decoded_chars, text.add(event)
+                        if text.stopped_at is not None and offset >= text.stopped_at:
+                            continue  # the stop string's token: neither its text nor its log-probabilities are shown
+                        logprobs = self._logprobs([int(event)], [event.logprobs], [offset])
+                        due = runs.add(sse({**meta, "choices": [_choice(piece, None, logprobs)]}))
                     else:
                         due = runs.add(chunk(text.add(event)))
                     if due is not None:

@@ -9,8 +9,9 @@ answer at every token would cost time growing with the answer, a whole answer's 
 
 - The sequence ends as soon as a stop appears (``finish_reason`` "stop"); its blocks are free
   before the next step, like any finished sequence's.
-- The stop string and anything after it in the same token are not returned. The answer's token
-  ids still hold every token generated (usage counts them), as vLLM's do.
+- The stop string and anything after it are not returned: not in the text, and no log-probabilities
+  for a token whose text starts at or after the stop (one the stop cuts through keeps its entry).
+  ``usage`` still counts every token generated, as vLLM's does: each was computed.
 - A stream must not send text that may turn out to be the start of a stop: :class:`StopText`
   holds back the end of the text that is a prefix of a stop until the next token decides.
 """
@@ -91,7 +92,7 @@ class StopText:
         self._text = TextDelta(tokenizer)
         self._unsent = ""  # decoded, whole characters, not sent yet: a stop may still claim them
         self._sent = 0  # characters sent
-        self._stopped = False
+        self.stopped_at: int | None = None  # where the shown text ends (characters) once a stop was found
 
     @property
     def decoded_chars(self) -> int:
@@ -107,14 +108,14 @@ class StopText:
         return self._take(final=True)
 
     def _take(self, final: bool) -> str:
-        if self._stopped:
+        if self.stopped_at is not None:
             return ""
         # What the decoder holds back (it ends in U+FFFD, an incomplete character) is searched too, as a
         # decode of every token would be: a stop found there ends the text, and what precedes it is sent.
         text = self._unsent + self._text.held
         stop = first_stop(text, self.stops)
         if stop is not None:
-            self._stopped = True
+            self.stopped_at = self._sent + stop
             return text[:stop]
         end = len(self._unsent) if final else len(self._unsent) - undecided_tail(self._unsent, self.stops)
         delta, self._unsent = self._unsent[:end], self._unsent[end:]

@@ -94,6 +94,7 @@ from benchmarks.report.notebook_plots.common import (
     levels_of,
     levels_with_stages,
     load_all,
+    real_model_dir,
     repo_relative,
     require_present,
     require_results,

@@ -43,6 +43,11 @@ def results_dir(default_profile: str = "cpu", variable: str = "SFS_RESULTS_DIR")
     return Path(os.environ.get(variable) or REFERENCE_ROOT / os.environ.get("SFS_PROFILE", default_profile))
 
 
+def real_model_dir(variable: str = "SFS_REAL_MODEL_RESULTS_DIR") -> Path:
+    """The climb on the real model (``make climb WEIGHTS=smollm2``): ``$SFS_REAL_MODEL_RESULTS_DIR``, else the committed one."""
+    return Path(os.environ.get(variable) or REFERENCE_ROOT / "cpu" / "climb-smollm2")
+
+
 def load_all(directory: Path) -> tuple[dict[str, BenchmarkResult], dict[str, BenchmarkResult], dict[str, OpenLoopResult]]:
     """``(default workload, long workload, open-loop sweeps)`` of ``directory``, each keyed by label."""
     return load_results(directory), load_results(directory, "long"), load_open_loop_results(directory)

@@ -1,6 +1,7 @@
 // Chapter 8's page: the running sequences, the queue, each step's budget, the KV pool, and the lines.
 // Every `step` event is the whole picture after a step, so drawing the latest one is always right.
 import { connect, show, everyFrame, colourOf, Line, Rate, RecentMedian, wireBursts } from "./live.js";
+import { noticeStep, turns, wireChat } from "./chat.js";
 
 const state = { stats: null, step: null, offset: null, log: [], widest: 64, cached: new Set() };
 const lines = {
@@ -31,7 +32,7 @@ function say(text) {
 const redraw = everyFrame(draw);
 
 connect({
-  hello(data) { toLocal(data.t); counters(data.stats); redraw(); },
+  hello(data) { toLocal(data.t); counters(data.stats); state.connected = true; redraw(); },
   step(data) {
     const t = toLocal(data.t);
     counters(data.stats);
@@ -42,13 +43,18 @@ connect({
     for (const l of data.latencies) { ttft.add(t, l.ttft_ms); if (l.tpot_ms !== null) tpot.add(t, l.tpot_ms); }
     lines.ttft.add(t, ttft.at(t));
     lines.tpot.add(t, tpot.at(t));
-    if (data.joined.length) say(`step ${data.stats.steps}: joined ${data.joined.map((id) => `#${id}`).join(" ")}`);
+    if (state.connected) {  // the first step seen: who was running already, not who joined
+      state.connected = false;
+      say(`step ${data.stats.steps}: ${data.running.length} running when this page connected`);
+    } else if (data.joined.length) say(`step ${data.stats.steps}: joined ${data.joined.map((id) => `#${id}`).join(" ")}`);
     for (const [id, why] of data.left) say(`step ${data.stats.steps}: #${id} left (${why})`);
+    noticeStep(data);
     if (data.preempted.length) say(`step ${data.stats.steps}: PREEMPTED ${data.preempted.map((id) => `#${id}`).join(" ")} (blocks ran out; recomputed later)`);
     redraw();
   },
 });
 wireBursts();
+wireChat();
 setInterval(() => { const now = performance.now() / 1e3; for (const line of Object.values(lines)) line.draw(now); }, 500);
 
 function draw() {
@@ -98,6 +104,7 @@ function drawRunning(step) {
     Object.assign(fresh.style, { left: `${prompt * scale}%`, width: `${generated * scale}%`, background: colourOf(id) });
     Object.assign(todo.style, { left: `${(prompt + generated) * scale}%`, width: `${(asked - generated) * scale}%`, background: "#e6e8ee" });
     row.title = `#${id}: prompt ${prompt}, generated ${generated} of ${asked}` + (preemptions ? `, preempted ${preemptions}×` : "");
+    row.classList.toggle("yours", turns.sequences.has(String(id)));  // a turn of this page's chat box
     keep.push(row);
   }
   box.replaceChildren(...keep);
