@@ -73,12 +73,10 @@ def notebook(title: str, intro: str, cells: list[tuple[str, str]], look_at: str,
 
 
 def real_model_cell(labels: tuple[str, ...]) -> tuple[str, str]:
-    """The chapter's step again on a real model: the committed climb serving SmolLM2-135M-Instruct."""
-    plot = ('show(plots.plot_queue_nobody_shows, real, ("ch01",))' if labels == ("ch01",) else
-            f'show(plots.plot_latency_and_qps, real, {labels!r}, title="{" against ".join(reversed(labels))}, on SmolLM2-135M")')
+    """The chapter's step again on a real model: the climb serving SmolLM2-135M-Instruct."""
     return ("## The same step on a real model\n\nThe climb serving SmolLM2-135M-Instruct (`make climb WEIGHTS=smollm2`; "
             "`SFS_REAL_MODEL_RESULTS_DIR` plots your own): the same loads, a model forty times the parameters.",
-            f"real = plots.load_all(plots.real_model_dir())[0]\n{plot}")
+            f"show(plots.plot_real_model_step, {labels!r})")
 
 
 NOTEBOOKS = {
@@ -272,6 +270,12 @@ NOTEBOOKS = {
              "forward) and `update` (tokens appended, finished sequences retired). Right: what each step of the highest "
              "load computed, decode rows and prompt-chunk tokens in the same forward pass.",
              "show(lambda: plots.plot_step_split(plots.load_step_records(RESULTS_DIR)))"),
+            ("## Prefix caching on and off\n\n`python -m benchmarks.harness.streaming compare --variant "
+             "caching-on=ch08:--prefix-caching=on --variant caching-off=ch08:--prefix-caching=off`, one file per workload: "
+             "`shared-prefix` (a few long prefixes shared by every request, short distinct suffixes) is where caching skips "
+             "most of every prompt; `default` and `mixed` share nothing, so there it can only cost. Left: TTFT (P50 over "
+             "P99); right: completed requests per second at the same users.",
+             "show(lambda: plots.plot_prefix_caching(plots.load_prefix_caching(RESULTS_DIR)))"),
             real_model_cell(('ch07', 'ch08')),
         ],
         "- TTFT is where streaming shows: chapter 8's first token comes after one prefill step, chapter 6's "
@@ -283,7 +287,12 @@ NOTEBOOKS = {
         "- QPS at the same users: when chapter 8 finishes short requests sooner, its clients send their next one "
         "sooner, and its requests/s rises; tokens/s tells whether the engine itself did more work.\n"
         "- In the step split, `model` should be nearly all of a step: what the scheduler and the runner add around "
-        "the forward pass is the overhead a Python server pays per step, the same at 8 users as at 64.",
+        "the forward pass is the overhead a Python server pays per step, the same at 8 users as at 64.\n"
+        "- With prefix caching, a shared prefix is computed once and then found: `shared-prefix`'s requests/s rises "
+        "because each step carries a few suffix tokens instead of whole prompts. Its TTFT falls less than its prompt "
+        "work does: a first token still waits for the step it arrived during and the step that computes its suffix, "
+        "and caching shortens those steps without removing them (`python -m benchmarks.studies.ttft_split.ttft_split` "
+        "shows the server's side).\n",
         parameters=OWN_FILES_PARAMETERS, intro_tail=OWN_FILES_TAIL,
     ),
     "ch09_scale_out": notebook(
@@ -365,11 +374,8 @@ NOTEBOOKS = {
              "show(plots.plot_cpu_gpu_article, closed, gpu_closed)"),
             ("## The climb on a real model\n\nThe same loads serving SmolLM2-135M-Instruct (`make climb WEIGHTS=smollm2`; "
              "`SFS_REAL_MODEL_RESULTS_DIR` plots your own): the Llama architecture, forty times the parameters.",
-             "real = plots.load_all(plots.real_model_dir())[0]\n"
-             "real_chapters = sorted(set(report.ARTICLE_CHAPTERS) | set(real))\n"
-             "real_notes = report.missing_chapter_notes(real_chapters)\n"
-             "display(Markdown(report.render_table(real, real_chapters, real_notes)))\n"
-             'show(report.plot_climb, report.build_rows(real, real_chapters, real_notes), title="The climb on SmolLM2-135M")'),
+             "say(plots.real_model_table)\n"
+             "show(plots.plot_real_model_climb)"),
             ("## Latency against load (closed loop)",
              'show(report.plot_latency_vs_load, closed, title="Latency against load")'),
             ("## The knee, from the open loop\n\nArrivals at a fixed offered rate whatever the answers: the load "

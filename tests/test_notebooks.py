@@ -45,6 +45,7 @@ OWN_RECORDINGS = {
 def synthetic_dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("synthetic")
     write_synthetic_reference(root / "cpu", "cpu")
+    write_synthetic_reference(root / "cpu" / "climb-smollm2", "cpu")  # the real model's climb, where the notebooks read it
     write_synthetic_production_and_streaming(root / "cpu")
     write_synthetic_reference(root / "gpu", "gpu", calibration_scale=20.0)
     return {"SFS_RESULTS_DIR": str(root / "cpu"), "SFS_GPU_RESULTS_DIR": str(root / "gpu")}

@@ -80,6 +80,9 @@ from benchmarks.report.notebook_plots.ch09_scale_out import (
 from benchmarks.report.notebook_plots.climb import (
     plot_cpu_gpu_article,
     plot_knees,
+    plot_real_model_climb,
+    plot_real_model_step,
+    real_model_table,
     require_open_loop,
 )
 from benchmarks.report.notebook_plots.common import (
@@ -94,6 +97,7 @@ from benchmarks.report.notebook_plots.common import (
     levels_of,
     levels_with_stages,
     load_all,
+    load_real_model,
     real_model_dir,
     repo_relative,
     require_present,

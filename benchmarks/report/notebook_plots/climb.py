@@ -11,7 +11,8 @@ from matplotlib.figure import Figure
 from benchmarks.harness.article import ARTICLE, BASELINE
 from benchmarks.harness.results import BenchmarkResult, OpenLoopResult
 from benchmarks.report.knees import describe_open_knee, open_knee_of
-from benchmarks.report.notebook_plots.common import CLOSED_COMMAND, MissingData, OPEN_COMMAND, speedups_over_baseline
+from benchmarks.report.notebook_plots.ch01_to_ch03 import plot_latency_and_qps, plot_queue_nobody_shows
+from benchmarks.report.notebook_plots.common import CLOSED_COMMAND, MissingData, OPEN_COMMAND, load_real_model, speedups_over_baseline
 
 
 # --------------------------------------------------------------------------------------------
@@ -69,3 +70,33 @@ def require_open_loop(open_results: Mapping[str, OpenLoopResult]) -> Mapping[str
     if not open_results:
         raise MissingData(f"No open-loop sweep in these results. Run: `{OPEN_COMMAND}`.")
     return open_results
+
+
+# --------------------------------------------------------------------------------------------
+# The real model (SmolLM2-135M-Instruct): the climb, and each chapter's step on it
+# --------------------------------------------------------------------------------------------
+
+
+def real_model_table() -> str:
+    """The real model's climb as the climb's own table (markdown)."""
+    from benchmarks.report import missing_chapter_notes, render_table
+
+    real = load_real_model()
+    chapters = sorted({r.chapter for r in real.values()})
+    return render_table(real, chapters, missing_chapter_notes(chapters))
+
+
+def plot_real_model_climb():
+    """The real model's climb: QPS and P99 per chapter beside the article's speed-ups."""
+    from benchmarks.report import build_rows, plot_climb
+
+    real = load_real_model()
+    return plot_climb(build_rows(real, sorted({r.chapter for r in real.values()})), title="The climb on SmolLM2-135M")
+
+
+def plot_real_model_step(labels: tuple[str, ...]):
+    """A chapter's step on the real model: chapter 1's queue alone, or a chapter against the one before it."""
+    real = load_real_model()
+    if labels == ("ch01",):
+        return plot_queue_nobody_shows(real, labels)
+    return plot_latency_and_qps(real, labels, title=f"{' against '.join(reversed(labels))}, on SmolLM2-135M")

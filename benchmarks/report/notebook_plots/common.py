@@ -43,9 +43,24 @@ def results_dir(default_profile: str = "cpu", variable: str = "SFS_RESULTS_DIR")
     return Path(os.environ.get(variable) or REFERENCE_ROOT / os.environ.get("SFS_PROFILE", default_profile))
 
 
+REAL_MODEL_FOLDER = "climb-smollm2"
+REAL_MODEL_COMMAND = "make climb WEIGHTS=smollm2 REPEAT=1"
+
+
 def real_model_dir(variable: str = "SFS_REAL_MODEL_RESULTS_DIR") -> Path:
-    """The climb on the real model (``make climb WEIGHTS=smollm2``): ``$SFS_REAL_MODEL_RESULTS_DIR``, else the committed one."""
-    return Path(os.environ.get(variable) or REFERENCE_ROOT / "cpu" / "climb-smollm2")
+    """The climb on the real model: ``$SFS_REAL_MODEL_RESULTS_DIR`` (your own run: ``benchmarks/results/cpu-smollm2``),
+    else ``climb-smollm2/`` in the notebook's results (the committed one by default)."""
+    return Path(os.environ.get(variable) or results_dir() / REAL_MODEL_FOLDER)
+
+
+def load_real_model() -> dict[str, BenchmarkResult]:
+    """The real model's climb results (:func:`real_model_dir`); :class:`MissingData` naming the command where there are none."""
+    directory = real_model_dir()
+    results = load_results(directory) if directory.exists() else {}
+    if not results:
+        raise MissingData(f"no climb on the real model in `{shown_path(directory)}`: `{REAL_MODEL_COMMAND}` records one "
+                          f"(in `benchmarks/results/cpu-smollm2/`; point `SFS_REAL_MODEL_RESULTS_DIR` at it)")
+    return results
 
 
 def load_all(directory: Path) -> tuple[dict[str, BenchmarkResult], dict[str, BenchmarkResult], dict[str, OpenLoopResult]]:

@@ -82,11 +82,12 @@ class ClosedLoop:
 
 
 def closed_loop(attention: str, precision: str, workload: str, kv_cache: str = "auto", temperature: float = 0.0,
-                prefix_caching: str | None = None, block_tokens: int | None = None) -> ClosedLoop:
+                prefix_caching: str | None = None, block_tokens: int | None = None, weights: str = "default") -> ClosedLoop:
     """The loop, warmed up (``WARM_UP_STEPS``); every run of it draws the same prompts. ``prefix_caching``:
-    on or off; ``block_tokens``: the pool's block (None for either: the server's default)."""
+    on or off; ``block_tokens``: the pool's block (None for either: the server's default); ``weights``: as
+    the servers' ``--weights``."""
     torch.set_num_threads(1)
-    loaded = load_model("default")
+    loaded = load_model(weights)
     overrides = {"prefix_caching": prefix_caching, "block_tokens": block_tokens}
     settings = ContinuousSettings(**{name: value for name, value in overrides.items() if value is not None})
     step_engine = build_eager(loaded.model, precision)
@@ -101,12 +102,12 @@ def closed_loop(attention: str, precision: str, workload: str, kv_cache: str = "
     seeds = iter(range(10**9))
 
     def new_sequence() -> Sequence:
-        prompt = [rng.randrange(256) for _ in range(rng.choice((16, 32, 64, 128)))]
+        prompt = [rng.randrange(min(256, loaded.config.vocab_size)) for _ in range(rng.choice((16, 32, 64, 128)))]
         sampling = SamplingParams(temperature=temperature, seed=next(seeds)) if temperature else GREEDY
         return Sequence(prompt, rng.choice(NEW_TOKENS[workload]), sampling=sampling)
 
     sampling = f"temperature {temperature:g}" if temperature else "greedy"
-    label = (f"attention {backend.name}, engine {step_engine.label}, KV cache {str(kv_dtype).removeprefix('torch.')}, "
+    label = (f"{loaded.source}: attention {backend.name}, engine {step_engine.label}, KV cache {str(kv_dtype).removeprefix('torch.')}, "
              f"workload {workload}, blocks of {settings.block_tokens}, {settings.max_num_seqs} sequences, {sampling}")
     loop = ClosedLoop(engine, new_sequence, label)
     for _ in range(settings.max_num_seqs):
@@ -116,9 +117,9 @@ def closed_loop(attention: str, precision: str, workload: str, kv_cache: str = "
 
 
 def profile(steps: int, attention: str, precision: str, workload: str, kv_cache: str = "auto", temperature: float = 0.0,
-            block_tokens: int | None = None) -> str:
+            block_tokens: int | None = None, weights: str = "default") -> str:
     """The step split and the cProfile report of ``steps`` engine steps, after a warm-up."""
-    loop = closed_loop(attention, precision, workload, kv_cache, temperature, block_tokens=block_tokens)
+    loop = closed_loop(attention, precision, workload, kv_cache, temperature, block_tokens=block_tokens, weights=weights)
     finished, elapsed, records = loop.timed(steps)
     phases = {phase: statistics.median(getattr(r, f"{phase}_ms") for r in records) for phase in loop.engine.clock.PHASES}
     step_ms = sum(phases.values())
@@ -189,6 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sampling-rounds", type=int, default=0, help="measure greedy against sampling, this many interleaved rounds")
     parser.add_argument("--out", type=Path, default=None, help="with --sampling-rounds: write the JSON here")
     parser.add_argument("--prefix-caching-rounds", type=int, default=0, help="measure prefix caching on against off, this many rounds")
+    parser.add_argument("--weights", default="default", help="the model, as the servers' --weights (smollm2: the real model)")
     args = parser.parse_args(argv)
     if args.prefix_caching_rounds:
         print(prefix_caching_rounds(args.prefix_caching_rounds, args.steps, args.attention, args.precision, args.workload))
@@ -202,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
         print(text)
         return
     print(profile(args.steps, args.attention, args.precision, args.workload, args.kv_cache_dtype, args.temperature or 0.0,
-                  args.block_tokens))
+                  args.block_tokens, args.weights))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ From the repository root, one core, as the servers run:
 from __future__ import annotations
 
 import json
-import platform
 import random
 import subprocess
 import sys
@@ -90,7 +89,9 @@ def served(args: list[str]) -> dict[str, float]:
 def main() -> None:
     import torch
 
-    print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}; RSS in MiB; "
+    from shared.devices import processor_name
+
+    print(f"{processor_name(torch.device('cpu'))}, torch {torch.__version__}; RSS in MiB; "
           f"served: {USERS} concurrent requests, prompts 100-400 tokens, {NEW_TOKENS} new")
     header = ["setting", "imports", "+weights", "+backend", "weights held", "pool", "server ready", "server peak"]
     print(" | ".join(header))
