@@ -113,11 +113,11 @@ def test_the_openai_client_samples_with_a_seed_and_stops_at_a_stop_string(client
     stopped = client.completions.create(model=model_name, prompt=prompt, max_tokens=40, stop=[stop, "\x00"], logprobs=2, **SAMPLED)
     choice = stopped.choices[0]
     assert choice.text == sampled[:cut] and choice.finish_reason == "stop"
-    assert stopped.usage.completion_tokens == len(sampled[:cut + len(stop)].encode())  # the stop's tokens were generated
-    assert "".join(choice.logprobs.tokens) == sampled[:cut + len(stop)]
-    assert len(choice.logprobs.token_logprobs) == len(choice.logprobs.top_logprobs) == stopped.usage.completion_tokens
+    assert stopped.usage.completion_tokens == len(sampled[:cut + len(stop)].encode())  # the stop's tokens were generated ...
+    assert "".join(choice.logprobs.tokens) == sampled[:cut]  # ... but, like its text, are not shown
+    assert len(choice.logprobs.token_logprobs) == len(choice.logprobs.top_logprobs) == cut
     assert all(len(top) <= 2 and lp <= 0 for top, lp in zip(choice.logprobs.top_logprobs, choice.logprobs.token_logprobs))
-    assert choice.logprobs.text_offset == list(range(stopped.usage.completion_tokens))  # one byte, one character here
+    assert choice.logprobs.text_offset == list(range(cut))  # one byte, one character here
 
 
 def test_the_openai_client_streams_sampled_text_with_logprobs_and_the_same_stop(client, model_name, default_model) -> None:
@@ -130,8 +130,10 @@ def test_the_openai_client_streams_sampled_text_with_logprobs_and_the_same_stop(
     assert "".join(c.text for c in choices) == sampled[:sampled.find(stop)]
     assert choices[-1].finish_reason == "stop" and all(c.finish_reason is None for c in choices[:-1])
     per_token = [c.logprobs for c in choices if c.logprobs is not None]
-    assert len(per_token) == chunks[-1].usage.completion_tokens  # one chunk with log-probabilities per token
-    assert "".join(lp.tokens[0] for lp in per_token) == sampled[:sampled.find(stop) + len(stop)]
+    shown = sampled[:sampled.find(stop)]
+    assert chunks[-1].usage.completion_tokens == len(shown) + len(stop)  # the stop's tokens were generated ...
+    assert sum(len(lp.tokens) for lp in per_token) == len(shown)  # ... log-probabilities for each token shown
+    assert "".join(token for lp in per_token for token in lp.tokens) == shown
 
 
 def test_the_openai_client_gets_a_422_naming_each_field_this_server_does_not_implement(client, model_name) -> None:

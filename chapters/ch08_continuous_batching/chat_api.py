@@ -31,15 +31,15 @@ from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from chapters.ch02_fastapi_async.api import Generated, read_body
 from chapters.ch08_continuous_batching.continuous_backend import Completion, submitted_sequence
-from chapters.ch08_continuous_batching.openai_api import StreamOptions, usage
+from chapters.ch08_continuous_batching.openai_api import StreamOptions, checked_body, usage
 from chapters.ch08_continuous_batching.request_stream import SampledToken
 from chapters.ch08_continuous_batching.sampled_contract import SampledRequest
 from chapters.ch08_continuous_batching.sampling import MAX_LOGPROBS, MAX_TEMPERATURE, SamplingParams, TokenLogprobs
-from chapters.ch08_continuous_batching.stop_strings import EndOfTurn, StopStrings, StopText, visible_text
+from chapters.ch08_continuous_batching.stop_strings import EndOfTurn, ShownTokens, StopStrings, StopText, visible_text
 from chapters.ch08_continuous_batching.streaming import SSE_HEADERS, EventRuns, sse
 from shared.chat_template import ChatTemplateError, chat_prompt
 from shared.schemas import ApiError, ContractLimits, check_limits
@@ -118,18 +118,7 @@ class ChatApi:
         app.post("/v1/chat/completions")(self.chat)
 
     def parse(self, body: bytes) -> tuple[ChatRequest, SampledRequest]:
-        try:
-            chat = ChatRequest.model_validate_json(body)
-        except ValidationError as exc:
-            if any(e["type"] == "json_invalid" for e in exc.errors()):
-                raise ApiError(400, "invalid_json", "request body is not valid JSON") from None
-            where = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors(include_url=False))
-            raise ApiError(422, "invalid_request", where) from None
-        if chat.model != self.model_name:
-            raise ApiError(404, "model_not_found", f"model {chat.model!r} is not served here; GET /v1/models lists {self.model_name!r}")
-        refused = chat.unsupported()
-        if refused is not None:
-            raise ApiError(422, "invalid_request", refused)
+        chat = checked_body(ChatRequest, body, self.model_name)
         try:
             prompt = chat_prompt(self.tokenizer, [{"role": m.role, "content": m.text()} for m in chat.messages])
             strings = StopStrings(chat.stops(), self.tokenizer) if chat.stops() else None
@@ -187,15 +176,16 @@ class ChatApi:
     async def _chunks(self, tokens: AsyncIterator[int | Generated], meta: dict, prompt_tokens: int, include_usage: bool,
                       stops: tuple[str, ...]) -> AsyncIterator[bytes]:
         text, runs = StopText(self.tokenizer, stops), EventRuns(self.stream_interval)
-        chunk = lambda delta, reason=None, logprobs=None: sse({  # noqa: E731
+        shown = ShownTokens(text)  # a token's log-probabilities go out with its text, never for a stop's tokens
+        chunk = lambda delta, reason=None, entries=None: sse({  # noqa: E731
             **meta, "object": "chat.completion.chunk",
-            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]})
+            "choices": [{"index": 0, "delta": delta, "logprobs": {"content": entries} if entries else None, "finish_reason": reason}]})
         try:
             yield chunk({"role": "assistant", "content": ""})
             async for event in tokens:
                 if isinstance(event, Generated):
-                    rest = text.finish()
-                    last = (chunk({"content": rest}) if rest else b"") + chunk({}, _finish_reason(event))
+                    rest, released = shown.finish()
+                    last = (chunk({"content": rest}, None, released) if rest or released else b"") + chunk({}, _finish_reason(event))
                     if include_usage:
                         last += sse({**meta, "object": "chat.completion.chunk", "choices": [],
                                      "usage": usage(prompt_tokens, len(event.output_ids))})
@@ -203,11 +193,12 @@ class ChatApi:
                     return
                 if event in self.end_of_turn:
                     continue  # the turn's end: counted in usage, never shown
-                offset, piece = text.decoded_chars, text.add(event)
-                if text.stopped_at is not None and offset >= text.stopped_at:
-                    continue  # the stop string's token: neither its text nor its log-probabilities are shown
-                logprobs = {"content": [self._entry(int(event), event.logprobs)]} if isinstance(event, SampledToken) else None
-                due = runs.add(chunk({"content": piece}, None, logprobs))
+                entry = self._entry(int(event), event.logprobs) if isinstance(event, SampledToken) else None
+                piece, released = shown.add(event, entry)
+                released = [e for e in released if e is not None]
+                if not (piece or released):
+                    continue  # held back (it may start a stop) or removed by one: nothing to send yet
+                due = runs.add(chunk({"content": piece}, None, released))
                 if due is not None:
                     yield due
         except ApiError as error:

@@ -31,6 +31,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -41,11 +42,13 @@ from chapters.ch08_continuous_batching.continuous_backend import Completion
 from chapters.ch08_continuous_batching.sampled_contract import SampledRequest
 from chapters.ch08_continuous_batching.sampling import MAX_LOGPROBS, MAX_TEMPERATURE, SamplingParams, TokenLogprobs
 from chapters.ch08_continuous_batching.request_stream import SampledToken
-from chapters.ch08_continuous_batching.stop_strings import StopStrings, StopText, visible_text
+from chapters.ch08_continuous_batching.stop_strings import ShownTokens, StopStrings, StopText, visible_text
 from chapters.ch08_continuous_batching.streaming import SSE_HEADERS, EventRuns, sse
 from shared.schemas import ApiError, ContractLimits, check_limits
 from shared.tokenizer import Tokenizer
 
+
+RequestT = TypeVar("RequestT", bound=BaseModel)
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -108,21 +111,7 @@ class CompletionsApi:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "serving-from-scratch"}]}
 
     def parse(self, body: bytes) -> tuple[CompletionRequest, SampledRequest]:
-        try:
-            request = CompletionRequest.model_validate_json(body)
-        except ValidationError as exc:
-            if any(e["type"] == "json_invalid" for e in exc.errors()):
-                raise ApiError(400, "invalid_json", "request body is not valid JSON") from None
-            if any(e["loc"][:1] == ("prompt",) for e in exc.errors()):
-                raise ApiError(422, "invalid_request", "prompt: one string or one list of token ids "
-                                                       "(a list of prompts is not supported: send one request each)") from None
-            where = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors(include_url=False))
-            raise ApiError(422, "invalid_request", where) from None
-        if request.model != self.model_name:
-            raise ApiError(404, "model_not_found", f"model {request.model!r} is not served here; GET /v1/models lists {self.model_name!r}")
-        refused = request.unsupported()
-        if refused is not None:
-            raise ApiError(422, "invalid_request", refused)
+        request = checked_body(CompletionRequest, body, self.model_name, _one_prompt)
         try:
             stop = StopStrings(request.stops(), self.tokenizer) if request.stops() else None
         except ValueError as exc:
@@ -179,6 +168,13 @@ class CompletionsApi:
             "text_offset": text_offsets,
         }
 
+    def _released(self, released: list[tuple[int, TokenLogprobs, int]]) -> dict | None:
+        """The ``logprobs`` of a stream's chunk: the (token, log-probabilities, offset) its text released, or None."""
+        if not released:
+            return None
+        tokens, logprobs, offsets = zip(*released)
+        return self._logprobs(list(tokens), list(logprobs), list(offsets))
+
     def _text_offsets(self, output_ids: list[int]) -> list[int]:
         """Where each token's text starts in the answer's, as a stream counts them (decoding every
         prefix again would cost the square of the answer's length)."""
@@ -191,21 +187,22 @@ class CompletionsApi:
     async def _chunks(self, tokens: AsyncIterator[int | Generated], meta: dict, prompt_tokens: int, include_usage: bool,
                       stops: tuple[str, ...]) -> AsyncIterator[bytes]:
         text, runs, chunk = StopText(self.tokenizer, stops), EventRuns(self.stream_interval), text_chunk(meta)
+        shown = ShownTokens(text)  # a token's log-probabilities go out with its text, never for a stop's tokens
         try:
             async for event in tokens:
                 if not isinstance(event, Generated):
                     if isinstance(event, SampledToken):
-                        offset, piece = text.decoded_chars, text.add(event)
-                        if text.stopped_at is not None and offset >= text.stopped_at:
-                            continue  # the stop string's token: neither its text nor its log-probabilities are shown
-                        logprobs = self._logprobs([int(event)], [event.logprobs], [offset])
-                        due = runs.add(sse({**meta, "choices": [_choice(piece, None, logprobs)]}))
+                        piece, released = shown.add(event, (int(event), event.logprobs, text.decoded_chars))
+                        if not (piece or released):
+                            continue  # held back (it may start a stop) or removed by one: nothing to send yet
+                        due = runs.add(sse({**meta, "choices": [_choice(piece, None, self._released(released))]}))
                     else:
                         due = runs.add(chunk(text.add(event)))
                     if due is not None:
                         yield due
                     continue
-                last = sse({**meta, "choices": [_choice(text.finish(), _finish_reason(event))]})
+                rest, released = shown.finish()
+                last = sse({**meta, "choices": [_choice(rest, _finish_reason(event), self._released(released))]})
                 if include_usage:
                     last += sse({**meta, "choices": [], "usage": usage(prompt_tokens, len(event.output_ids))})
                 yield runs.rest(last + sse("[DONE]"))
@@ -213,6 +210,34 @@ class CompletionsApi:
             yield runs.rest(sse(error.body()))  # the client raises APIError from an "error" payload
         finally:
             await tokens.aclose()
+
+
+def checked_body(model: type[RequestT], body: bytes, served: str,
+                 explain: Callable[[list[dict]], str | None] = lambda errors: None) -> RequestT:
+    """``body`` as ``model`` (a route's request), checked as the OpenAI routes check it: 400 for JSON that does
+    not parse, 422 naming each field that is wrong (or ``explain``'s one sentence for those errors), 404 for
+    a model not served here, 422 for a field set to a value this server does not implement."""
+    try:
+        request = model.model_validate_json(body)
+    except ValidationError as exc:
+        if any(e["type"] == "json_invalid" for e in exc.errors()):
+            raise ApiError(400, "invalid_json", "request body is not valid JSON") from None
+        where = explain(exc.errors()) or "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors(include_url=False))
+        raise ApiError(422, "invalid_request", where) from None
+    if request.model != served:
+        raise ApiError(404, "model_not_found", f"model {request.model!r} is not served here; GET /v1/models lists {served!r}")
+    refused = request.unsupported()
+    if refused is not None:
+        raise ApiError(422, "invalid_request", refused)
+    return request
+
+
+def _one_prompt(errors: list[dict]) -> str | None:
+    """One sentence for a ``prompt`` of the wrong shape (pydantic reports each member of the union it tried)."""
+    if any(e["loc"][:1] == ("prompt",) for e in errors):
+        return "prompt: one string or one list of token ids (a list of prompts is not supported: send one request each)"
+    return None
 
 
 def text_chunk(meta: dict) -> Callable[[str], bytes]:

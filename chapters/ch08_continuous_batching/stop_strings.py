@@ -95,6 +95,11 @@ class StopText:
         self.stopped_at: int | None = None  # where the shown text ends (characters) once a stop was found
 
     @property
+    def sent_chars(self) -> int:
+        """Characters returned so far by :meth:`add` (none is ever taken back)."""
+        return self._sent
+
+    @property
     def decoded_chars(self) -> int:
         """Characters in the text of every token added so far (as one decode of them all would give)."""
         return self._sent + len(self._unsent) + len(self._text.held)
@@ -121,6 +126,32 @@ class StopText:
         delta, self._unsent = self._unsent[:end], self._unsent[end:]
         self._sent += len(delta)
         return delta
+
+
+class ShownTokens:
+    """A stream's per-token items (log-probabilities) released with the text they belong to.
+
+    An item waits while its token's text is held back (it may be the start of a stop), goes out once
+    any of that text has been sent, and never goes out for a token that starts at or after a stop.
+    """
+
+    def __init__(self, text: StopText) -> None:
+        self.text, self._held = text, []
+
+    def add(self, token: int, item: object) -> tuple[str, list]:
+        """``token``'s text that became safe to send (``StopText.add``) and the items released with it."""
+        self._held.append((self.text.decoded_chars, item))
+        return self.text.add(token), self._release(final=False)
+
+    def finish(self) -> tuple[str, list]:
+        return self.text.finish(), self._release(final=True)
+
+    def _release(self, final: bool) -> list:
+        stopped = self.text.stopped_at is not None
+        limit = self.text.stopped_at if stopped else (float("inf") if final else self.text.sent_chars)
+        released = [item for offset, item in self._held if offset < limit]
+        self._held = [] if stopped or final else [(offset, item) for offset, item in self._held if offset >= limit]
+        return released
 
 
 def visible_text(tokenizer: Tokenizer, output_ids: list[int], stops: tuple[str, ...] = ()) -> str:
