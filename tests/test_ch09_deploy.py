@@ -47,8 +47,16 @@ def _version() -> str:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 
 
+def _objects() -> list[dict]:
+    return list(yaml.safe_load_all((DEPLOY / "rayservice.yaml").read_text()))
+
+
 def _manifest() -> dict:
-    return yaml.safe_load((DEPLOY / "rayservice.yaml").read_text())
+    return next(item for item in _objects() if item["kind"] == "RayService")
+
+
+# What an application's args may add on a cluster alone (a laptop is one node).
+CLUSTER_ONLY_ARGS = {"max_replicas_per_node"}
 
 
 def _containers(manifest: dict) -> list[dict]:
@@ -103,7 +111,11 @@ def test_the_manifest_deploys_the_same_application_with_what_the_package_sets_bu
     assert (manifest["apiVersion"], manifest["kind"]) == ("ray.io/v1", "RayService")
     served = ServeDeploySchema.model_validate(yaml.safe_load(manifest["spec"]["serveConfigV2"]))
     local = ServeDeploySchema.model_validate(yaml.safe_load((DEPLOY / "serve_config.yaml").read_text()))
-    assert [a.model_dump() for a in served.applications] == [a.model_dump() for a in local.applications]
+    def same_app(application) -> dict:
+        dumped = application.model_dump()
+        return {**dumped, "args": {k: v for k, v in dumped["args"].items() if k not in CLUSTER_ONLY_ARGS}}
+
+    assert [same_app(a) for a in served.applications] == [same_app(a) for a in local.applications]
     cluster = manifest["spec"]["rayClusterConfig"]
     assert cluster["rayVersion"] == ray.__version__  # the image's Ray is the one the code was checked with
     cluster_environment = {k: v for k, v in package_environment.items() if k != SINGLE_MACHINE}
@@ -215,4 +227,73 @@ def test_every_pod_drains_before_it_stops_within_its_grace_period() -> None:
         assert float(flags["--timeout-s"]) == drain_timeout_s, (role, flags)
         follow_s = float(flags.get("--follow-s", 0))
         assert (follow_s > 0) == (role == "worker"), (role, flags)  # only the head starts a drain of the whole application
-        assert pod["terminationGracePeriodSeconds"] > follow_s + drain_timeout_s, (role, pod["terminationGracePeriodSeconds"])
+        from chapters.ch09_scale_out.stopping import EXIT_MARGIN_S
+
+        bound_s = float(flags["--connect-timeout-s"]) + follow_s + drain_timeout_s + EXIT_MARGIN_S  # the command's whole run, at most
+        assert pod["terminationGracePeriodSeconds"] > bound_s, (role, pod["terminationGracePeriodSeconds"])
+
+
+# KubeRay's rules for a RayService's head (ray-operator/controllers/ray/utils/constant.go and the RayService
+# controller): the head Service takes the ports the head container declares (its defaults only when it
+# declares none), and the controller reaches the dashboard by the port named "dashboard" to submit
+# serveConfigV2, and Serve by the port named "serve"; with either missing the application never deploys.
+KUBERAY_HEAD_PORTS = {"gcs": 6379, "dashboard": 8265, "serve": 8000}
+
+
+def test_the_head_declares_every_port_kuberay_looks_up_by_name() -> None:
+    from ray.serve.schema import ServeDeploySchema
+
+    manifest = _manifest()
+    head = manifest["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    ports = {port["name"]: port["containerPort"] for port in head["ports"]}
+    assert ports.items() >= KUBERAY_HEAD_PORTS.items(), ports
+    serve_port = ServeDeploySchema.model_validate(yaml.safe_load(manifest["spec"]["serveConfigV2"])).http_options.port
+    assert ports["serve"] == serve_port  # the Serve Service forwards to what the proxies listen on
+    assert "dashboard-port" not in manifest["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]  # Ray's default, 8265
+
+
+def test_every_pod_template_and_object_is_valid_kubernetes() -> None:
+    import kubernetes_validate
+
+    cluster = _manifest()["spec"]["rayClusterConfig"]
+    templates = [cluster["headGroupSpec"]["template"], *(group["template"] for group in cluster["workerGroupSpecs"])]
+    for template in templates:  # RayService's own schema is KubeRay's CRD, not shipped here: its pod templates are Kubernetes'
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "template", **template.get("metadata", {})}, "spec": template["spec"]}
+        kubernetes_validate.validate(pod, "1.30", strict=True)
+    for item in _objects():
+        if item["kind"] != "RayService":
+            kubernetes_validate.validate(item, "1.30", strict=True)
+
+
+def test_replicas_are_spread_one_per_pod_with_a_budget_that_keeps_the_loads_need() -> None:
+    manifest = _manifest()
+    args = yaml.safe_load(manifest["spec"]["serveConfigV2"])["applications"][0]["args"]
+    needed, spare = args["num_replicas"], args["spare_replicas"]
+    assert spare >= 1 and args["max_replicas_per_node"] == 1  # the spare never shares a pod with a replica it covers
+    (group,) = manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert group["replicas"] >= needed + spare  # a pod for each, or some stay pending
+    labels = group["template"]["metadata"]["labels"]
+    (spread,) = group["template"]["spec"]["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname" and spread["labelSelector"]["matchLabels"].items() <= labels.items()
+    (budget,) = [item for item in _objects() if item["kind"] == "PodDisruptionBudget"]
+    assert budget["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert budget["spec"]["minAvailable"] == needed  # a voluntary disruption may take the spare's share, never the load's
+
+
+def _bytes(quantity: str) -> int:
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
+    return int(quantity[:-2]) * units[quantity[-2:]] if quantity[-2:] in units else int(quantity)
+
+
+def test_every_ray_pod_has_a_dev_shm_that_holds_its_object_store() -> None:
+    cluster = _manifest()["spec"]["rayClusterConfig"]
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    for group in groups:
+        spec = group["template"]["spec"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        (mount,) = [m for m in spec["containers"][0]["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+        shm = volumes[mount["name"]]["emptyDir"]
+        assert shm["medium"] == "Memory"  # a container's own /dev/shm is 64 MiB; Ray's object store lives there
+        assert int(group["rayStartParams"]["object-store-memory"]) <= _bytes(shm["sizeLimit"])  # else Ray falls back to /tmp
+        limits = spec["containers"][0]["resources"]["limits"]
+        assert _bytes(shm["sizeLimit"]) < _bytes(limits["memory"])  # tmpfs pages count against the pod's memory

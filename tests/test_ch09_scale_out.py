@@ -170,6 +170,9 @@ def test_serves_limits_come_from_chapter_8s_scheduler_and_chapter_7s_drain() -> 
     assert options["num_replicas"] == 3 and options["ray_actor_options"] == {"num_cpus": 0.5}
     assert options["health_check_period_s"] <= 2  # a dead replica is noticed within that, not Serve's default 10 s
     assert "autoscaling_config" not in options and options["request_router_config"] == {}  # fixed count, Serve's router
+    assert "max_replicas_per_node" not in options  # a laptop is one node: no limit unless asked
+    spread = deployment_options(replica_settings(settings), settings.model_copy(update={"max_replicas_per_node": 1}))
+    assert spread["max_replicas_per_node"] == 1
     replica = replica_settings(settings)
     assert set(replica.model_dump()) == set(ContinuousSettings.model_fields)  # nothing of the cluster's
     assert (replica.max_num_seqs, replica.max_queue, replica.drain_timeout_s) == (16, 8, 12.0)
@@ -282,6 +285,13 @@ def test_the_serve_config_file_is_valid_for_serve_and_names_only_chapter_9s_sett
         assert not application.deployments, "the replicas' Serve options come from the settings, not from the file"
 
 
+def test_a_misspelled_setting_in_a_config_files_args_is_refused_in_one_line() -> None:
+    from chapters.ch09_scale_out.server import app_builder
+
+    with pytest.raises(ValueError, match=r"^chapter 9's args: no setting named num_replica \("):
+        app_builder({"num_replica": 5, "torch_threads": 1})
+
+
 def test_joining_a_cluster_by_flag_alone_is_refused_with_what_to_do(monkeypatch, capsys) -> None:
     """Ray's network mode is fixed when it is first imported: the address must come from the environment."""
     from chapters.ch09_scale_out.server import main
@@ -367,7 +377,10 @@ def test_serves_completion_callback_gives_back_the_tokens_a_routed_request_owed(
     def routed_request(internal_id: str, budget: int) -> PendingRequest:
         scope = {"type": "http", "headers": [(b"x-token-budget", str(budget).encode())]}
         request = pickle.dumps(StreamingHTTPRequest(asgi_scope=scope, proxy_actor_name="proxy"))  # as the proxy sends it
-        return PendingRequest(args=[request], kwargs={}, metadata=RequestMetadata(request_id=internal_id, internal_request_id=internal_id))
+        # Serve's proxy gives each request two ids: the client's X-Request-ID (or one it made) and its own internal
+        # one, which on_request_completed is called with; they never agree, so the ledger must key on the internal one.
+        metadata = RequestMetadata(request_id=f"client-{internal_id}", internal_request_id=internal_id)
+        return PendingRequest(args=[request], kwargs={}, metadata=metadata)
 
     async def run() -> None:
         router = LeastOutstandingTokensRouter(deployment_id=deployment, handle_source=DeploymentHandleSource.PROXY)

@@ -104,6 +104,31 @@ def default_body(rng: random.Random) -> dict[str, Any]:
 # shared-prefix: the Locust harness's own definition, so both clients send the same prompts for a seed.
 WORKLOADS = {"mixed": mixed_body, "default": default_body, "shared-prefix": HARNESS_WORKLOADS["shared-prefix"].body}
 
+# The chat workload: what a help desk in front of an instruct model sends. Every user's conversation opens
+# with the same system prompt (a prefix shared by every request once the template renders it), then one
+# short question; the answer ends at the model's end of turn or at CHAT_MAX_TOKENS.
+CHAT_SYSTEM_PROMPT = ("You are the help desk of a small public library. Answer the visitor's question in two or three "
+                      "plain sentences. If you do not know something about this library, say so and suggest asking "
+                      "the staff at the front desk. Never invent opening hours, prices or names.")
+CHAT_QUESTIONS = (
+    "How do I renew a book?", "Can I borrow a laptop?", "What is an e-book?", "Where can I print a document?",
+    "How many books can I borrow at once?", "Do you have books for children?", "What is interlibrary loan?",
+    "How do I find a book on the shelves?", "Can I reserve a study room?", "What happens if I return a book late?",
+    "Is there free Wi-Fi?", "How do I get a library card?", "Can you recommend a short novel?",
+    "What does a librarian do?", "How do I cite a book in an essay?", "Can I donate old books?",
+)
+CHAT_MAX_TOKENS = 64
+
+
+def chat_body(rng: random.Random) -> dict[str, Any]:
+    """One request of the ``chat`` workload: the shared system prompt and one short question."""
+    messages = [{"role": "system", "content": CHAT_SYSTEM_PROMPT}, {"role": "user", "content": rng.choice(CHAT_QUESTIONS)}]
+    return {"messages": messages, "max_new_tokens": CHAT_MAX_TOKENS}
+
+
+# Workloads only OpenAI's routes carry (``/v1/chat/completions``): messages, not ids.
+OPENAI_WORKLOADS = {**WORKLOADS, "chat": chat_body}
+
 # The prefix-caching comparison of chapter 8: its labels, the flag each gives the server, where its files go.
 PREFIX_CACHING_VARIANTS = {"caching-on": "--prefix-caching=on", "caching-off": "--prefix-caching=off"}
 PREFIX_CACHING_DIR = "ch08/prefix-caching"
@@ -175,6 +200,7 @@ class RequestRecord:
     ended: float = 0.0
     output_tokens: int = 0
     requested_tokens: int | None = None  # what an OpenAI-route request asked for (None on /v1/inference)
+    reconnects: int = 0  # sent again on a new connection after the server closed a kept-alive one unanswered
 
     @property
     def ok(self) -> bool:
@@ -222,9 +248,10 @@ async def _one_request(session: aiohttp.ClientSession, url: str, body: dict, str
 
 
 def openai_body(body: dict[str, Any], model: str, stream: bool, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A workload's contract body as an OpenAI completions request: the same prompt ids and new tokens, greedy;
-    a streamed one asks for ``usage`` in its last chunk; ``extra`` (a server's own fields) added last."""
-    request = {"model": model, "prompt": body["input_ids"], "max_tokens": body["max_new_tokens"], "temperature": 0.0}
+    """A workload's body as an OpenAI request: the same prompt ids (or messages, for ``/v1/chat/completions``) and
+    new tokens, greedy; a streamed one asks for ``usage`` in its last chunk; ``extra`` (a server's own fields) last."""
+    prompt = {"messages": body["messages"]} if "messages" in body else {"prompt": body["input_ids"]}
+    request = {"model": model, **prompt, "max_tokens": body["max_new_tokens"], "temperature": 0.0}
     if stream:
         request.update(stream=True, stream_options={"include_usage": True})
     return {**request, **(extra or {})}
@@ -238,34 +265,55 @@ async def served_model(session: aiohttp.ClientSession, url: str) -> str:
 
 
 async def _one_openai_request(session: aiohttp.ClientSession, url: str, body: dict, stream: bool) -> RequestRecord:
-    """One request to ``/v1/completions``. Streamed: every chunk with a choice is a token's arrival, and the last
-    chunk's ``usage`` is the count; a server that closes with a chunk of its own after the last token (chapter 8
-    sends ``finish_reason`` apart) has that chunk dropped, as it carries no token."""
+    """One request to ``/v1/completions`` or ``/v1/chat/completions``. Streamed: every chunk with a choice is a
+    token's arrival (on the chat route, one whose delta carries text: the first chunk names only the role), and
+    the last chunk's ``usage`` is the count; a server that closes with a chunk of its own after the last token
+    (chapter 8 sends ``finish_reason`` apart) has that chunk dropped, as it carries no token.
+
+    A kept-alive connection the server had already closed (llama-server closes them on its own schedule)
+    fails before any answer: the request is sent once more on a connection of its own, as HTTP clients do,
+    and counted in ``reconnects``; a failure once an answer started is an error."""
     record = RequestRecord(sent=time.perf_counter(), status=0, requested_tokens=body["max_tokens"])
     try:
-        async with session.post(url, json=body) as response:
-            record.status = response.status
-            if not stream or response.status != 200:
-                if response.status == 200:
-                    record.output_tokens = (await response.json())["usage"]["completion_tokens"]
-            else:
-                counted = None
-                async for line in response.content:  # one server-sent-event line at a time
-                    if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                        continue
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        record.status = 500
-                    if chunk.get("choices"):
-                        record.token_times.append(time.perf_counter())
-                    if chunk.get("usage"):
-                        counted = chunk["usage"]["completion_tokens"]
-                record.output_tokens = len(record.token_times) if counted is None else counted
-                del record.token_times[record.output_tokens:]
+        try:
+            await _post_openai(session, url, body, record, stream)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):  # closed before a reply, or while the body went
+            if record.status != 0:
+                raise
+            record.reconnects += 1
+            async with aiohttp.ClientSession(timeout=session.timeout) as fresh:  # a new connection: the pool may hold more stale ones
+                await _post_openai(fresh, url, body, record, stream)
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError):  # ValueError: a line past aiohttp's limit, or not JSON
         record.status = -1
     record.ended = time.perf_counter()
     return record
+
+
+async def _post_openai(session: aiohttp.ClientSession, url: str, body: dict, record: RequestRecord, stream: bool) -> None:
+    async with session.post(url, json=body) as response:
+        record.status = response.status
+        await _read_openai_answer(response, record, stream)
+
+
+async def _read_openai_answer(response: aiohttp.ClientResponse, record: RequestRecord, stream: bool) -> None:
+    """``record``'s tokens (their arrival times, streamed) and its count, from an OpenAI-route answer."""
+    if not stream or response.status != 200:
+        if response.status == 200:
+            record.output_tokens = (await response.json())["usage"]["completion_tokens"]
+        return
+    counted = None
+    async for line in response.content:  # one server-sent-event line at a time
+        if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+            continue
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            record.status = 500
+        if chunk.get("choices") and chunk["choices"][0].get("delta", {"content": True}).get("content"):
+            record.token_times.append(time.perf_counter())
+        if chunk.get("usage"):
+            counted = chunk["usage"]["completion_tokens"]
+    record.output_tokens = len(record.token_times) if counted is None else counted
+    del record.token_times[record.output_tokens:]
 
 
 async def run_closed_loop(url: str, users: int, duration_s: float, workload: str, stream: bool, seed: int = 1234,
@@ -273,18 +321,21 @@ async def run_closed_loop(url: str, users: int, duration_s: float, workload: str
                           openai_extra: dict[str, Any] | None = None) -> tuple[list[RequestRecord], float]:
     """``users`` clients in a loop for ``duration_s``; returns every record and the measured window (s).
 
-    ``api``: ``inference`` (the contract's ``/v1/inference``) or ``openai`` (``/v1/completions``, the model named
-    by ``GET /v1/models``, asked before the window opens; ``openai_extra`` added to every request body)."""
-    make_body = WORKLOADS[workload]
+    ``api``: ``inference`` (the contract's ``/v1/inference``) or ``openai`` (``/v1/completions``, or
+    ``/v1/chat/completions`` for the ``chat`` workload, the model named by ``GET /v1/models``, asked before the
+    window opens; ``openai_extra`` added to every request body)."""
     records: list[RequestRecord] = []
     if api not in ("inference", "openai"):
         raise ValueError(f"api {api!r}: expected inference or openai")
+    if workload not in (OPENAI_WORKLOADS if api == "openai" else WORKLOADS):
+        raise ValueError(f"workload {workload!r} is not sent on api {api!r}")
+    make_body = OPENAI_WORKLOADS[workload]
     connector = aiohttp.TCPConnector(limit=users)  # a kept-alive connection per user
     timeout = aiohttp.ClientTimeout(total=request_timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         if api == "openai":
             model = await served_model(session, url)
-            endpoint = f"{url.rstrip('/')}/v1/completions"
+            endpoint = f"{url.rstrip('/')}/v1/{'chat/completions' if workload == 'chat' else 'completions'}"
 
             async def send(body: dict) -> RequestRecord:
                 return await _one_openai_request(session, endpoint, openai_body(body, model, stream, openai_extra), stream)
@@ -333,6 +384,7 @@ def summarize(records: list[RequestRecord], window_s: float, slo_ttft_ms: float 
     # An OpenAI-route answer may end early (a server that stops at end-of-text): counted, as the work differs.
     asked = [r for r in ok if r.requested_tokens is not None]
     short = {"short_answers": sum(1 for r in asked if r.output_tokens < r.requested_tokens)} if asked else {}
+    reconnects = {"reconnects": n} if (n := sum(r.reconnects for r in records)) else {}
     return {
         "requests": len(records),
         "completed": len(ok),
@@ -347,6 +399,7 @@ def summarize(records: list[RequestRecord], window_s: float, slo_ttft_ms: float 
         "slo": {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms, "e2e_ms": slo_e2e_ms},
         "goodput_qps": sum(1 for r in ok if meets_slo(r)) / window_s,
         **short,
+        **reconnects,
     }
 
 
@@ -377,8 +430,9 @@ def unpinned_harness() -> dict[str, Any]:
 _CORE_PLANS: dict[str, tuple[list[int] | None, list[int] | None]] = {}  # profile -> (server, client) cores, this process's
 
 
-def harness_settings(profile_name: str | None) -> tuple[dict[str, Any], list[str], dict[str, str]]:
-    """``(the document's harness block, flags for every server, environment for every server)`` for a profile.
+def harness_settings(profile_name: str | None, weights: str | None = None) -> tuple[dict[str, Any], list[str], dict[str, str]]:
+    """``(the document's harness block, flags for every server, environment for every server)`` for a profile
+    (serving ``weights`` where given, as :func:`benchmarks.harness.profiles.with_weights` says).
 
     With a profile: its model flags, torch threads and thread variables, and its core plan (the client
     pins itself to the load generator's cores here). Without one: nothing added, nothing pinned.
@@ -390,7 +444,7 @@ def harness_settings(profile_name: str | None) -> tuple[dict[str, Any], list[str
     from benchmarks.harness.environment import cpu_description, git_state
     from benchmarks.harness.profiles import get_profile
 
-    profile = get_profile(profile_name)
+    profile = get_profile(profile_name, weights)
     # Planned once per process: once this client has pinned itself, its own affinity (which the plan
     # reads) is the load generator's core alone, and a second plan would pin no server at all.
     if profile.name not in _CORE_PLANS:

@@ -57,17 +57,23 @@ def vllm_peer_block(directory: Path, folder_name: str = VLLM_PEER_DIR) -> str:
     return "\n".join(lines) + "\n\n" + _how(runs, folder)
 
 
-def _how(runs: list[dict], folder: Path) -> str:
-    """The sentence under the table: the commands, how the servers ran, what vLLM was."""
+def _provenance(runs: list[dict]) -> tuple[str, str, str]:
+    """The files' commands, how their servers ran, and the commits they ran at, each as one phrase."""
     from benchmarks.harness.streaming import describe_harness
 
     commands = "; ".join(sorted({f"`{current_command(run['command'])}`" for run in runs}))
     settings = "; ".join(sorted({describe_harness(run.get("harness")) for run in runs}))
-    vllm = sorted({f"vLLM {run['servers']['vllm'].get('version') or '(version not recorded)'} at {run['servers']['vllm']['dtype']}"
-                   for run in runs})
     commits = ", ".join(sorted({f"`{(run['harness'].get('git_commit') or '')[:7]}`"
                                 + (" with uncommitted changes (the next commit's code)" if run["harness"].get("git_dirty") else "")
                                 for run in runs}))
+    return commands, settings, commits
+
+
+def _how(runs: list[dict], folder: Path) -> str:
+    """The sentence under the table: the commands, how the servers ran, what vLLM was."""
+    commands, settings, commits = _provenance(runs)
+    vllm = sorted({f"vLLM {run['servers']['vllm'].get('version') or '(version not recorded)'} at {run['servers']['vllm']['dtype']}"
+                   for run in runs})
     # what chapter 8's start-up rules chose in each file's median round (they measure, so a day may differ)
     chose = sorted({f"{engine['engine']}/{engine['precision']}" + (f" with {ours['attention']} attention" if ours.get("attention") else "")
                     for run in runs for ours in [run["chapters"]["ch08"]] if (engine := ours.get("engine"))})
@@ -76,3 +82,57 @@ def _how(runs: list[dict], folder: Path) -> str:
             "whole answer; TTFT is the first streamed token. Both served the embedded model (vLLM its Hugging Face export, "
             f"`export_hf.py`) to the same streaming client on OpenAI's `/v1/completions`; {', '.join(vllm)}, chapter 8 at its "
             f"defaults{' (it chose ' + ', '.join(chose) + ')' if chose else ''}. Reproduce: {commands}. How they ran: {settings}. Commits: {commits}.")
+
+
+REAL_MODEL_PEERS_DIR = "real-model-peers"
+REAL_MODEL_PEERS_COMMAND = ("python -m benchmarks.studies.real_model_peers.peers compare --workloads default chat "
+                            "--answers whole stream --users 64 --duration-s 30 --rounds 3")
+_SERVER_NAMES = {"ch08": "chapter 8 (bf16)", "vllm": "vLLM CPU (bf16)", "llama-f16": "llama-server F16",
+                 "llama-q4_1": "llama-server Q4_1"}
+
+
+def real_model_peers_block(directory: Path) -> str:
+    """Chapter 8, vLLM's CPU backend and llama.cpp's server on SmolLM2, one row per server for each workload and
+    answer kind: its median-QPS round, chapter 8's QPS over its (the ratio of medians, then round by round),
+    output tokens per second, the tails and the first tokens."""
+    folder = directory / REAL_MODEL_PEERS_DIR
+    runs = [json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))] if folder.exists() else []
+    runs = [run for run in runs if run.get("kind") == "real-model-peers"]
+    if not runs:
+        return (f"*Not measured yet: `{REAL_MODEL_PEERS_COMMAND}` records it (the peers built and the weights exported "
+                "first: see `benchmarks/studies/real_model_peers/README.md`).*")
+    lines = ["| workload | answers | server | QPS | tokens/s | ch08 / it (each round) | P99 (s) | TTFT P50 / P99 (ms) "
+             "| errors, short answers, reconnects |", "|---|---|---|---|---|---|---|---|---|"]
+    runs.sort(key=lambda run: (_WORKLOAD_ORDER.get(run["workload"], 9), run["workload"], run["answers"] != "whole"))
+    for run in runs:
+        ours = run["chapters"]["ch08"]
+        streamed = run["answers"] == "stream"
+        for label, figures in run["chapters"].items():
+            ratio = "—" if label == "ch08" else (f"{ours['qps'] / figures['qps']:.2f}× ("
+                                                 + ", ".join(f"{a['qps'] / b['qps']:.2f}" for a, b in zip(_rounds(ours), _rounds(figures))) + ")")
+            ttft = f"{figures['ttft_ms']['p50']:,.0f} / {figures['ttft_ms']['p99']:,.0f}" if streamed else "—"
+            errors = sum(sum(r["errors"].values()) for r in _rounds(figures))
+            short = sum(r.get("short_answers", 0) for r in _rounds(figures))
+            reconnects = sum(r.get("reconnects", 0) for r in _rounds(figures))
+            lines.append(f"| `{run['workload']}` | {'streamed' if streamed else 'whole'} | {_SERVER_NAMES.get(label, label)} "
+                         f"| {figures['qps']:.2f} | {figures['output_tokens_per_s']:.0f} | {ratio} "
+                         f"| {_seconds(figures, 'e2e_ms', 'p99'):.1f} | {ttft} | {errors}, {short}, {reconnects} |")
+    return "\n".join(lines) + "\n\n" + _real_model_how(runs, folder)
+
+
+def _real_model_how(runs: list[dict], folder: Path) -> str:
+    """The sentence under the real model's table: the command, how each server ran, its version."""
+    commands, settings, commits = _provenance(runs)
+    servers = runs[0]["servers"]
+    started = "; ".join(f"{_SERVER_NAMES.get(label, label)}: `{server.get('flags') or server.get('command')}`"
+                        + (f" ({', '.join(f'{k} {v}' for k, v in server['packages'].items())})" if server.get("packages") else "")
+                        + (f" ({server['version']})" if server.get("version") else "")
+                        for label, server in servers.items())
+    return (f"Each row is one server in one file of `{repo_path(folder)}/` (`<workload>-<whole|stream>.json`): its round of "
+            "median QPS; every server is started fresh each round, in turns reversed every other round, and `each round` "
+            "pairs chapter 8's rounds with its in order. Tokens/s counts generated tokens; P99 is of the whole answer; TTFT "
+            "is the first streamed token. `short answers` are answers that ended before `max_tokens`: on `chat` every server "
+            "stops at the model's end of turn, on `default` the peers are sent `ignore_eos`; `reconnects`, requests sent again "
+            "on a new connection after the server had closed a kept-alive one. All on OpenAI's routes "
+            f"(`/v1/completions`, `/v1/chat/completions` for `chat`). Reproduce: {commands}. Servers: {started}. "
+            f"How they ran: {settings}. Commits: {commits}.")

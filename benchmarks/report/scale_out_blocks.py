@@ -15,7 +15,8 @@ SCALE_OUT_DIR = "ch09"
 DRILL_FILES = {"failure-drill.json": "fast start (engine, precision and attention pinned; gather: nothing compiled), no spare",
                "failure-drill-chapter-defaults.json": "chapter 8's defaults (engine and attention measured at start, flex compiled), no spare",
                **{f"failure-drill-spare-{k}.json": f"chapter 8's and 9's defaults: one warm spare (`--spare-replicas 1`), run {k}"
-                  for k in (1, 2, 3)}}
+                  for k in (1, 2, 3)},
+               "failure-drill-smollm2.json": "the real model (`--weights=smollm2 --precision=bf16`), one warm spare"}
 
 
 def drill_block(directory: Path) -> str:

@@ -279,6 +279,7 @@ def ch08_targets_block(directory: Path) -> str:
     else:
         lines.append(f"| the climb's highest bar | default | — | `{CH08_TARGET_CLIMB}/` | — | 0 | not measured | — | > 1.00× | — |")
     lines += _vllm_peer_target_rows(directory)
+    lines += _real_model_peer_target_rows(directory)
     lines += _prefix_caching_target_rows(directory)
     return ("\n".join(lines) + "\n\nEach row reads the committed files it names (under `" + repo_path(directory) + "/ch08/`, "
             "the climb under `" + repo_path(directory) + "/`). A ratio is of the two chapters' medians over the rounds, as the "
@@ -317,6 +318,33 @@ def _vllm_peer_target_rows(directory: Path) -> list[str]:
                         f"| {'yes' if value >= bound else '**no**'} |")
     return rows or ["| chapter 8's QPS over vLLM's CPU backend's | default, mixed, shared-prefix | 64 | `vllm-peer/` | — | 0 "
                     "| not measured: `python -m benchmarks.studies.vllm_peer.peer compare` | — | — | — |"]
+
+
+# Issue 61's bounds on the real model: chapter 8's QPS over each peer's, every workload and answer kind.
+REAL_MODEL_PEER_TARGETS = {"vllm": ("vLLM's CPU backend's", 1.2), "llama-f16": ("llama-server's at F16", 1.0)}
+
+
+def _real_model_peer_target_rows(directory: Path) -> list[str]:
+    """One targets row per peer with a bound and per committed file of ``benchmarks.studies.real_model_peers``."""
+    import json
+
+    from benchmarks.report.peer_blocks import REAL_MODEL_PEERS_DIR
+
+    folder = directory / REAL_MODEL_PEERS_DIR
+    runs = [json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))] if folder.is_dir() else []
+    rows = []
+    for label, (name, bound) in REAL_MODEL_PEER_TARGETS.items():
+        for run in sorted(runs, key=lambda run: (run["workload"] != "default", run["workload"], run["answers"] != "whole")):
+            ours, peer = run["chapters"]["ch08"], run["chapters"].get(label)
+            if peer is None:
+                continue
+            value = ours["qps"] / peer["qps"]
+            each = " / ".join(f"{a['qps'] / b['qps']:.2f}×" for a, b in zip(ours.get("rounds") or [ours], peer.get("rounds") or [peer], strict=False))
+            how = "streamed" if run["answers"] == "stream" else "whole answers"
+            rows.append(f"| chapter 8's QPS over {name}, SmolLM2 | {run['workload']} | {run['users']} | `{folder.name}/` ({how}; "
+                        f"{run['harness'].get('cpu') or 'a CPU the file does not name'}) | `{(run['harness'].get('git_commit') or '')[:7]}` "
+                        f"| {run['rounds']} | {value:.2f}× | {each} | >= {bound:.2f}× | {'yes' if value >= bound else '**no**'} |")
+    return rows
 
 
 # Issue 46's bound on prefix caching: TTFT P50 with caching on over off, on shared prompts.

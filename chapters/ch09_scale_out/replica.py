@@ -64,6 +64,8 @@ class ReplicaOptions(BaseSettings):
     downscale_delay_s: float = Field(600.0, gt=0, description="autoscaling: how long load must stay below the target before a replica is removed (Serve's default)")
     autoscale_look_back_s: float = Field(30.0, gt=0, description="autoscaling: the window over which requests held are averaged (Serve's look_back_period_s and default)")
     replica_cpus: float = Field(1.0, gt=0, description="CPUs Ray reserves for each replica (fractions share a core)")
+    max_replicas_per_node: int = Field(0, ge=0, description="0: no limit; 1 on a cluster: each replica on a node of its own, so losing "
+                                       "a node (a pod) costs one replica and the spare is never beside the replicas it covers")
     router: Literal["pow2", "least-tokens"] = Field("pow2", description="pow2: Serve's default (of two random replicas, fewer requests in flight) | least-tokens: fewest tokens owed (routing.py)")
     ray_address: str = Field("", description="join this Ray cluster (e.g. auto; as SFS_RAY_ADDRESS); empty: start one on this machine, loopback only")
     ray_dashboard: bool = Field(False, description="start Ray's dashboard with the local cluster (about 1 GB of memory)")
@@ -108,6 +110,7 @@ def deployment_options(settings: ContinuousSettings, options: ReplicaOptions) ->
         "logging_config": {"log_level": settings.log_level.upper(), "enable_access_log": False},
         # a scheduling unit for Ray, not a limit: the model's threads are --torch-threads
         "ray_actor_options": {"num_cpus": options.replica_cpus},
+        **({"max_replicas_per_node": options.max_replicas_per_node} if options.max_replicas_per_node else {}),
     }
 
 

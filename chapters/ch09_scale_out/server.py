@@ -54,7 +54,11 @@ def build_application(settings: ScaleOutSettings):
 def app_builder(args: dict[str, object]):
     """Serve's entry point for a config file (``serve run`` / ``serve deploy``, KubeRay's ``serveConfigV2``):
     ``import_path: chapters.ch09_scale_out.server:app_builder`` with chapter 9's settings by name in ``args``
-    (the ``SFS_*`` environment fills the rest, as for the command line)."""
+    (the ``SFS_*`` environment fills the rest, as for the command line). A name chapter 9 does not have is
+    refused in one line: a misspelled ``num_replica`` would otherwise deploy the default quietly."""
+    if unknown := sorted(set(args) - set(ScaleOutSettings.model_fields)):
+        raise ValueError(f"chapter 9's args: no setting named {', '.join(unknown)} "
+                         "(python -m chapters.ch09_scale_out --help lists them, dashes for underscores)")
     return build_application(ScaleOutSettings(**args))
 
 

@@ -27,17 +27,20 @@ import argparse
 import asyncio
 import json
 import logging
+import os
+import threading
 import uuid
 
 import ray
 
-from shared.schemas import error_body
+from shared.schemas import REQUEST_ID_HEADER, error_body, request_id_from
 
 log = logging.getLogger("chapters.ch09_scale_out.stopping")
 
 DRAIN_SIGNAL_NAME = "ch09_drain_signal"
 DRAIN_SIGNAL_NAMESPACE = "serving_from_scratch"
 RETRY_AFTER_S = 1
+EXIT_MARGIN_S = 3.0  # the drain command's own calls beyond its waits (the signal's RPCs), before it gives up
 DRAINING = "the service is shutting down; retry in a moment (another instance, or this one once it is back)"
 
 
@@ -136,7 +139,7 @@ class DrainAtTheEdge:
             self._registration = asyncio.ensure_future(self._register())
         await self._registration  # once, before the first request is passed on; done at once afterwards
         if self.draining:
-            await _refuse(send)
+            await _refuse(scope, send)
             return
         self.in_flight += 1
         try:
@@ -172,13 +175,29 @@ class DrainAtTheEdge:
             self._signal.report_idle.remote(self.edge_id)
 
 
-async def _refuse(send) -> None:
-    """The contract's 503 while draining, as chapter 7's drain answers it."""
+async def _refuse(scope, send) -> None:
+    """The contract's 503 while draining, as chapter 7's drain answers it, with the request's ``X-Request-ID``
+    (the client's where it sent a sane one, else a new one) as every other answer carries."""
     payload = json.dumps(error_body("draining", DRAINING)).encode()
+    sent_id = next((bytes(v).decode("latin-1") for k, v in scope.get("headers", []) if bytes(k).lower() == REQUEST_ID_HEADER.lower().encode()), None)
     headers = [(b"retry-after", str(RETRY_AFTER_S).encode()), (b"content-type", b"application/json"),
-               (b"content-length", str(len(payload)).encode())]
+               (b"content-length", str(len(payload)).encode()), (REQUEST_ID_HEADER.lower().encode(), request_id_from(sent_id).encode())]
     await send({"type": "http.response.start", "status": 503, "headers": headers})
     await send({"type": "http.response.body", "body": payload, "more_body": False})
+
+
+def exit_after(seconds: float) -> None:
+    """End this process with status 3 once ``seconds`` have passed, whatever it waits on: a ``preStop`` that
+    hangs (joining a cluster at an address nothing answers, say) would otherwise hold the pod for its whole
+    grace period, and a drain run by hand would never return."""
+    def give_up() -> None:
+        log.error("the drain command ran past %.1f s (joining the cluster or the drain itself); giving up", seconds)
+        logging.shutdown()
+        os._exit(3)
+
+    timer = threading.Timer(seconds, give_up)
+    timer.daemon = True
+    timer.start()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -191,8 +210,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout-s", type=float, default=30.0, help="how long to wait for the requests in flight")
     parser.add_argument("--follow-s", type=float, default=0.0,
                         help="0: start the drain; above 0: do not start one, wait this long for one to start, then for it to end")
+    parser.add_argument("--connect-timeout-s", type=float, default=15.0,
+                        help="how long joining the cluster may take; the whole command ends after this, the waits above and a few seconds")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
+    exit_after(args.connect_timeout_s + args.follow_s + args.timeout_s + EXIT_MARGIN_S)
     ray.init(address=args.address, logging_level=logging.WARNING, log_to_driver=False)
     if args.follow_s:
         followed = ray.get(drain_signal().wait_drained.remote(args.follow_s, args.timeout_s))

