@@ -49,10 +49,12 @@ READING_ORDER: dict[str, tuple[str, ...]] = {
     "ch07": ("health.py", "drain.py", "deadlines.py", "metrics.py", "request_log.py", "model_registry.py",
              "leakcheck.py", "startup_heap.py"),
     "ch08": ("scheduler.py", "sequence.py", "block_manager.py", "paged_cache.py", "model_runner.py", "paged_attention.py",
-             "attention_gather.py", "attention_flex.py", "attention_kernel.py", "*.c", "attention_*.py", "startup_cache.py",
-             "sampling.py", "stop_strings.py", "step_thread.py", "request_stream.py", "continuous_backend.py",
-             "streaming.py", "openai_api.py", "chat_api.py", "sampled_contract.py", "continuous_metrics.py", "tracing.py", "step_tracing.py", "cuda_graphs.py"),
-    "ch09": ("replica.py", "routing.py", "edge.py", "cluster.py", "stopping.py", "simulation.py", "plots.py"),
+             "attention_gather.py", "sampling.py", "stop_strings.py", "step_thread.py", "request_stream.py",
+             "continuous_backend.py", "streaming.py", "openai_api.py", "chat_api.py", "sampled_contract.py",
+             "continuous_metrics.py", "tracing.py", "step_tracing.py",
+             "fast/attention_flex.py", "fast/attention_kernel.py", "fast/*.c", "fast/attention_choice.py",
+             "fast/startup_cache.py", "fast/cuda_graphs.py", "fast/*"),
+    "ch09": ("replica.py", "deployment_choice.py", "routing.py", "edge.py", "cluster.py", "stopping.py", "simulation.py"),
 }
 
 # What composes the lesson rather than teaching it, shown last in this order, in every chapter.

@@ -1,11 +1,4 @@
-"""A model's own chat template turned into a prompt, rendered as Hugging Face renders it.
-
-An instruct model was trained on conversations written one way (SmolLM2: ChatML, ``<|im_start|>user
-... <|im_end|>``); the template in its files (a GGUF's ``tokenizer.chat_template``, a directory's
-``tokenizer_config.json``) writes a list of messages that way. Templates come with the weights, so
-they are untrusted code: Jinja renders them in its immutable sandbox, which refuses attribute access
-to Python internals and any mutation of the values passed in.
-"""
+"""A model's own chat template rendered as Hugging Face renders it, in Jinja's immutable sandbox (templates are untrusted)."""
 
 from __future__ import annotations
 
@@ -35,12 +28,8 @@ def _compiled(template: str):
 
 def render_chat(template: str | None, messages: list[dict[str, str]], add_generation_prompt: bool = True,
                 special_tokens: dict[str, str] | None = None) -> str:
-    """``messages`` (each ``{"role", "content"}``) written as the model was trained to read them; with
-    ``add_generation_prompt`` the text ends where the assistant's answer begins.
-
-    ``special_tokens`` (``bos_token``, ``eos_token`` ...) are the variables templates use for them.
-    Raises :class:`ChatTemplateError` when ``template`` is None or refuses the messages.
-    """
+    """``messages`` (``{"role", "content"}`` each) as the model reads them, ending where the answer begins if asked;
+    ``special_tokens``: ``bos_token`` ... Raises :class:`ChatTemplateError` when ``template`` is None or refuses the messages."""
     if not template:
         raise ChatTemplateError("this model has no chat template: send a prompt, not messages")
     try:

@@ -1,19 +1,5 @@
-"""The default model's training corpus and its task with a right answer.
-
-Everything here is generated from a seed, so the corpus needs no download and the same seed gives
-the same bytes everywhere. Two kinds of lines:
-
-- readable sentences from a small grammar ("the old robot paints a blue kite near the river."),
-  so a served model answers with text a person can read;
-- two-digit additions with the sum's digits written in reverse (``37+45=28`` because 37+45=82).
-  Reversed, the first digit the model writes is the ones digit, which depends only on the two
-  ones digits; then the carry flows forward with the writing. In the usual order the model would
-  have to decide the carry before writing the first digit, which a model this small learns far
-  more slowly. The answer is checkable, so precision changes (chapter 5) can be measured in
-  accuracy, not only in speed.
-
-A fixed tenth of all operand pairs never appears in training: :func:`evaluate` scores those.
-"""
+"""The default model's training corpus, generated from a seed: sentences from a small grammar, and two-digit additions with
+the sum reversed (``37+45=28``, the ones digit first), a fixed tenth of whose operand pairs is held out for :func:`evaluate`."""
 
 from __future__ import annotations
 
@@ -109,12 +95,8 @@ def evaluate(
     logits_fn: LogitsFn, pairs: list[tuple[int, int]] | None = None, batch_size: int = 256,
     device: torch.device | str = "cpu",
 ) -> TaskScore:
-    """Exact-match accuracy on held-out additions, greedy, prompt ``"ab+cd="``.
-
-    ``logits_fn`` is anything that maps ids to logits: the model itself, or an engine wrapper at
-    another precision; the ids are on ``device``, where the model is. All prompts have six bytes,
-    so batches need no padding.
-    """
+    """Exact-match accuracy on ``pairs`` (default: the held-out additions), greedy, prompt ``"ab+cd="``.
+    ``logits_fn`` maps ids on ``device`` to logits (the model, or an engine at another precision)."""
     tokenizer = ByteTokenizer()
     pairs = HELD_OUT_PAIRS if pairs is None else pairs
     correct = 0

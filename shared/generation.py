@@ -1,10 +1,4 @@
-"""Greedy generation: the oracle, and the plain one-sequence generator of chapters 1 and 2.
-
-Every chapter's server is tested against :func:`reference_greedy`: it recomputes the whole sequence
-at every step, with no cache, no batching and no padding, so there is nothing in it to get wrong.
-The service always generates exactly ``max_new_tokens`` tokens (end-of-text is not a stop), so the
-work per request is fixed and benchmarks compare like with like.
-"""
+"""Greedy generation: the oracle every server is tested against, and the one-sequence generator; always ``max_new_tokens``."""
 
 from __future__ import annotations
 

@@ -1,16 +1,4 @@
-"""A Llama-architecture ``.gguf`` file (llama.cpp's format) read with ``gguf``, llama.cpp's own Python reader.
-
-One file holds the shape (``llama.*`` keys), the tokenizer (vocabulary, merges, special ids, chat
-template) and the tensors, quantized. :func:`read_gguf` dequantizes every tensor once to float32,
-in numpy, and returns the model's state under :class:`shared.llama.Llama`'s names; the caller casts
-it to the dtype it serves. Two things differ from a Hugging Face checkpoint:
-
-- llama.cpp's converter reorders the rows of the query and key projections so that its rotary code
-  turns adjacent pairs of dimensions; this model turns the pairs (i, i + D/2), as Hugging Face's
-  does, so :func:`unpermute_rotary_rows` puts the rows back;
-- the tokenizer is not a ``tokenizer.json`` but arrays of tokens, types and merges, which
-  :func:`gguf_tokenizer` turns into a ``tokenizers`` byte-level BPE.
-"""
+"""A Llama ``.gguf`` file read with llama.cpp's ``gguf``: its shape, its float32 state under Llama's names, its BPE tokenizer."""
 
 from __future__ import annotations
 
@@ -24,8 +12,7 @@ from shared.model import ModelConfig
 
 GGUF_MAGIC = b"GGUF"
 CONTROL_TOKEN = 3  # llama.cpp's token type for special tokens (<|im_start|> ...)
-# llama.cpp's pre-tokenizers (``tokenizer.ggml.pre``) read here: GPT-2's split, alone or after one
-# that isolates every digit (llama.cpp's list for the second); any other is refused, not guessed.
+# llama.cpp's pre-tokenizers read here: GPT-2's split, alone or after isolating every digit; any other is refused, not guessed.
 GPT2_SPLIT_PRE = {"default", "gpt2", "mpt", "olmo", "jais"}
 DIGIT_SPLITTING_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
 
@@ -42,8 +29,7 @@ class GgufModel:
 
 
 def unpermute_rotary_rows(weight: np.ndarray, heads: int) -> np.ndarray:
-    """Undo llama.cpp's converter for a query or key projection of ``heads`` heads: within each head
-    it interleaved rows (i, i + D/2) as (2i, 2i + 1); put them back in halves."""
+    """Undo llama.cpp's interleaving of rows (i, i + D/2) as (2i, 2i + 1) in each of ``heads`` heads of a q or k projection."""
     rows = weight.shape[0]
     return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
@@ -80,7 +66,6 @@ def gguf_config(reader, max_context: int | None = None) -> ModelConfig:
 
 def _dequantized(reader) -> dict[str, np.ndarray]:
     from gguf.quants import dequantize
-
     arrays = {}
     for tensor in reader.tensors:
         try:
@@ -112,11 +97,9 @@ def llama_state(arrays: dict[str, np.ndarray], config: ModelConfig) -> dict[str,
 
 
 def gguf_tokenizer(reader):
-    """The file's byte-level BPE (``tokenizer.ggml.model == 'gpt2'``) as a ``tokenizers`` tokenizer, its control tokens special."""
+    """The file's byte-level BPE (``tokenizer.ggml.model == 'gpt2'``) as a ``tokenizers`` tokenizer, control tokens special."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-
     from shared.tokenizer import HFTokenizer
-
     kind = _field(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
         raise GgufError(f"tokenizer model {kind!r} is not read here: only byte-level BPE ('gpt2')")
@@ -144,7 +127,6 @@ def gguf_tokenizer(reader):
 def read_gguf(path: Path, max_context: int | None = None) -> GgufModel:
     """Read, check and dequantize ``path``; raises :class:`GgufError` with the reason when it cannot be served."""
     from gguf import GGUFReader
-
     path = Path(path)
     with path.open("rb") as handle:
         if handle.read(4) != GGUF_MAGIC:

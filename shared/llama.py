@@ -1,21 +1,4 @@
-"""The Llama family (Llama, SmolLM, Qwen2, Mistral): the block nearly every open model uses today.
-
-Four changes from the GPT-2 block of :mod:`shared.model`, each behind the same step interface and
-attend seam (``shared/LLAMA.md`` teaches what each is for):
-
-- **RMSNorm** instead of LayerNorm: scale by the root mean square, no mean subtracted, no bias.
-- **Rotary positions** instead of a learned position table: queries and keys are rotated by an angle
-  that grows with the position, before the attend seam, so every cache stores rotated keys and a
-  query's dot product with a key depends only on how far apart they are.
-- **A gated SiLU MLP**: ``down(silu(gate(x)) * up(x))``, three matrices instead of two.
-- **Grouped-query attention**: ``n_kv_head`` key/value heads, each shared by ``n_head / n_kv_head``
-  query heads, so a token's keys and values (what a cache holds) shrink by that factor.
-
-The q, k and v projections are stored as one matrix (``qkv_proj``) and gate and up as another
-(``gate_up_proj``): one product each instead of three and two. Other names follow Hugging Face's
-``LlamaForCausalLM`` without its ``model.`` prefix, so its checkpoints map one to one once fused
-(:mod:`shared.weights`).
-"""
+"""The Llama family (Llama, SmolLM, Qwen2, Mistral; ``shared/LLAMA.md`` teaches it) behind :mod:`shared.model`'s interface."""
 
 from __future__ import annotations
 
@@ -41,11 +24,8 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """The cosines and sines of every position up to ``n_ctx``, and the rotation they apply.
-
-    Pairs of dimensions (i, i + D/2) of a head are turned by ``position * theta ** (-2i / D)``:
-    fast-turning pairs tell neighbours apart, slow ones far-away tokens.
-    """
+    """The cosines and sines of every position up to ``n_ctx``, and the rotation they apply: pairs of dimensions
+    (i, i + D/2) of a head are turned by ``position * theta ** (-2i / D)``."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

@@ -1,31 +1,7 @@
-"""The decoder every chapter serves: the step interface, the attend seam, and the GPT-2 family.
+"""The decoder every chapter serves: the step interface, the attend seam, and the GPT-2 family (Llama: :mod:`shared.llama`).
 
-Two families sit behind one interface (:class:`DecoderModel`): the GPT-2 architecture here
-(pre-LayerNorm blocks, learned positions, tanh-GELU MLP, tied embeddings) and the Llama
-architecture in :mod:`shared.llama` (RMSNorm, rotary positions, a gated SiLU MLP, grouped-query
-attention). No chapter asks which one it serves: :func:`build_model` builds either from its config.
-
-The model never owns its KV cache. Each forward pass may be handed an object that follows the
-:class:`KVCache` protocol (``seq_len``, ``update``, ``read``, ``advance``), so a chapter can swap the
-cache (growing tensors, a pre-allocated pool, paged blocks) without touching this file.
-
-Generation calls the model through two explicit steps, the same two every inference engine offers
-(:class:`StepModel`): :meth:`DecoderModel.prefill` (the prompt, nothing cached yet) and :meth:`DecoderModel.decode`
-(one more token per row, everything before it cached). Both return the last position's logits only.
-
-Attention is the one place where a token meets the others, so it is the seam: each layer computes
-its queries, keys and values and hands them to an :data:`Attend` function, which stores the new keys
-and values wherever the cache keeps them and returns the attention output. The contiguous caches
-(chapters 1-7) attend the dense way (:class:`DenseAttend`: the cache returns the whole history,
-then SDPA). :meth:`DecoderModel.forward_packed` takes the attend function from the caller instead: one
-flattened row of every token a step computes, for a paged cache that attends in place (chapter 8).
-
-Left padding is supported for batched decoding: pass ``attention_mask`` (1 for real tokens, 0 for
-padding, covering cached and new positions) and ``position_ids`` that count real tokens only.
-Module names follow Hugging Face's GPT-2 (``h.0.attn.c_attn`` ...) so its checkpoints map one to one.
-Keys and values have the model's key/value heads (``config.kv_heads``), which may be fewer than
-its query heads: every cache is sized from them.
-"""
+The model never owns its KV cache: a forward pass is handed a :class:`KVCache`, each layer hands q, k, v to an :data:`Attend`;
+batches are left-padded, ``position_ids`` counting real tokens only. Module names follow Hugging Face's GPT-2."""
 
 from __future__ import annotations
 
@@ -42,11 +18,7 @@ from torch import Tensor, nn
 @dataclass(frozen=True)
 class ModelConfig:
     """A decoder's shape. ``family`` names its blocks: ``gpt2`` (this file) or ``llama`` (:mod:`shared.llama`).
-
-    The Llama fields default to what makes a GPT: as many key/value heads as query heads, a 4x MLP.
-    What a KV cache needs (:attr:`kv_heads`, :attr:`head_dim`, :meth:`kv_bytes_per_token`) is read
-    from here, never from the query heads.
-    """
+    The Llama fields default to a GPT's (one key/value head per query head, a 4x MLP); caches are sized from :attr:`kv_heads`."""
 
     vocab_size: int
     n_ctx: int  # longest sequence (prompt + generated tokens) the positions cover
@@ -102,7 +74,7 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(vocab_size=258, n_ctx=512, n_embd=256, n_layer=4, n_head=4),
     # The 124 M GPT-2 shape: the GPU benchmark, and real GPT-2 weights from a local directory.
     "gpt2": ModelConfig(vocab_size=50257, n_ctx=1024, n_embd=768, n_layer=12, n_head=12),
-    # SmolLM2-135M's shape (the Llama family): 9 query heads share 3 key/value heads.
+    # SmolLM2-135M's shape (the Llama family).
     "smollm2-135m": ModelConfig(vocab_size=49152, n_ctx=8192, n_embd=576, n_layer=30, n_head=9, family="llama",
                                 n_kv_head=3, intermediate_size=1536, rope_theta=100000.0),
     # A Llama small enough for the tests: byte vocabulary, 4 query heads over 2 key/value heads.
@@ -112,10 +84,7 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 class KVCache(Protocol):
-    """The narrow interface between attention and whatever stores past keys and values.
-
-    All rows of a batch share one ``seq_len`` (left padding keeps them aligned).
-    """
+    """The narrow interface between attention and whatever stores past keys and values; all rows share one ``seq_len``."""
 
     @property
     def seq_len(self) -> int:
@@ -138,32 +107,22 @@ class KVCache(Protocol):
 
 class StepModel(Protocol):
     """What generation drives: the model itself, or any inference engine built from it (chapter 5).
-
-    ``prefill`` and ``decode`` return float32 logits of each row's LAST position, shape (B, V).
-    ``dtype`` is the dtype of the keys and values the model stores: a cache for it must use it.
-    """
+    ``prefill`` and ``decode`` return float32 logits (B, V) of each row's last position; a cache must use ``dtype``."""
 
     config: ModelConfig
 
     @property
     def device(self) -> torch.device: ...
-
     @property
     def dtype(self) -> torch.dtype: ...
-
     def prefill(self, input_ids: Tensor, position_ids: Tensor | None, attention_mask: Tensor | None,
                 cache: KVCache | None) -> Tensor: ...
-
     def decode(self, input_ids: Tensor, position_ids: Tensor | None, attention_mask: Tensor | None,
                cache: KVCache) -> Tensor: ...
 
 
 class DynamicKVCache:
-    """The simplest cache: per layer, concatenate new keys and values onto the old ones.
-
-    Every decode step allocates a fresh, longer tensor per layer and copies the past into it. That
-    is what chapter 4's memory pool removes.
-    """
+    """The simplest cache: per layer, concatenate new keys and values onto the old ones (a new tensor every step)."""
 
     def __init__(self, n_layer: int) -> None:
         self._keys: list[Tensor | None] = [None] * n_layer
@@ -198,10 +157,7 @@ Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
 
 class DenseAttend:
-    """The contiguous caches' way to attend: the cache returns every stored key and value, SDPA reads them.
-
-    ``mask`` is :func:`build_attention_mask`'s (None: plain causal, the fastest SDPA path).
-    """
+    """Attend the contiguous caches' way: the cache returns every key and value, SDPA reads them (``mask``: None for causal)."""
 
     def __init__(self, cache: KVCache | None, mask: Tensor | None) -> None:
         self.cache, self.mask = cache, mask
@@ -247,8 +203,7 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
         self.mlp = MLP(config)
 
-    # A layer is two halves around attention, so a compiler can take each half whole while attention,
-    # which reads a cache it cannot see, stays the caller's call between them.
+    # Two halves around attention: a compiler can take each whole while attention stays the caller's call between them.
     def qkv(self, x: Tensor) -> Tensor:
         """The half before attention: LayerNorm and the fused q, k, v projection, (B, T, W) -> (B, T, 3W)."""
         return self.attn.c_attn(self.ln_1(x))
@@ -268,9 +223,7 @@ class Block(nn.Module):
 
 def build_attention_mask(attention_mask: Tensor | None, past: int, length: int) -> Tensor | None:
     """The boolean (B or 1, 1, T, S) mask SDPA needs, or None for the plain causal case.
-
-    ``attention_mask`` is (B, S) with S = past + T: 1 where a real token sits, 0 for padding.
-    """
+    ``attention_mask`` is (B, S) with S = past + T: 1 where a real token sits, 0 for padding."""
     if attention_mask is None and (past == 0 or length == 1):
         return None  # causal alone; a single new token may see every cached position
     total = past + length
@@ -283,19 +236,13 @@ def build_attention_mask(attention_mask: Tensor | None, past: int, length: int) 
     if attention_mask.shape[-1] != total:
         raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} positions, expected {total}")
     allowed = allowed & attention_mask.bool()[:, None, None, :]
-    # A padding query has no visible key: a fully masked row makes softmax NaN, and NaN in a
-    # padded value would poison real rows (0 * NaN = NaN). Let every query see itself.
+    # A fully masked (padding) row would make softmax NaN, which poisons real rows: every query sees itself.
     return allowed | (key_pos[None, :] == query_pos[:, None])[None, None]
 
 
 class DecoderModel(nn.Module):
-    """What every family shares: the step interface over embed -> blocks -> head.
-
-    A family supplies :meth:`embed` (token ids and positions to vectors), :attr:`blocks` (each with
-    ``attention_inputs``, ``after_attention`` and ``forward(x, position_ids, attend)``) and
-    :meth:`head` (final norm and output layer). Position ids always reach the blocks: a GPT adds its
-    positions at the embedding, a Llama rotates queries and keys inside each block.
-    """
+    """The step interface over a family's :meth:`embed` (ids, positions -> vectors), :attr:`blocks` (``attention_inputs``,
+    ``after_attention``, ``forward(x, position_ids, attend)``) and :meth:`head` (final norm and output layer)."""
 
     config: ModelConfig
 
@@ -323,11 +270,8 @@ class DecoderModel(nn.Module):
         cache: KVCache | None = None,
         last_token_only: bool = False,
     ) -> Tensor:
-        """Logits (B, T, V), or (B, 1, V) with ``last_token_only``.
-
-        ``input_ids`` (B, T) are the new tokens; ``cache`` holds everything before them.
-        ``position_ids`` default to ``past .. past+T-1`` (right for unpadded rows).
-        """
+        """Logits (B, T, V), or (B, 1, V) with ``last_token_only``, of the new tokens ``input_ids`` (B, T) after ``cache``'s.
+        ``position_ids`` default to ``past .. past+T-1``; ValueError past the context."""
         batch, length = input_ids.shape
         past = cache.seq_len if cache is not None else 0
         if past + length > self.config.n_ctx:
@@ -346,14 +290,8 @@ class DecoderModel(nn.Module):
 
     @torch.no_grad()
     def forward_packed(self, input_ids: Tensor, position_ids: Tensor, attend: Attend, logits_indices: Tensor) -> Tensor:
-        """One packed step: float32 logits (len(logits_indices), V) at the flattened positions ``logits_indices``.
-
-        ``input_ids`` and ``position_ids`` are (N,): every token the step computes, sequence after
-        sequence, no padding. Linear layers, norms and the MLP see exactly these N tokens; which
-        token may attend to which, and where keys and values are stored, is ``attend``'s business
-        (it receives (1, H, N, D) queries and (1, H_kv, N, D) keys and values). Only the rows in
-        ``logits_indices`` reach the output layer.
-        """
+        """Float32 logits (len(logits_indices), V) of a packed step: ``input_ids``, ``position_ids`` (N,) are all its tokens, no
+        padding; ``attend`` gets (1, H, N, D) queries and (1, H_kv, N, D) keys and values, and decides what sees what."""
         positions = position_ids[None]
         x = self.embed(input_ids[None], positions)
         for block in self.blocks:
@@ -420,11 +358,8 @@ class GPT(DecoderModel):
 
 
 def init_weights(model: DecoderModel, seed: int = 0) -> DecoderModel:
-    """GPT-2's initialisation, seeded: the same seed gives the same bits on any machine.
-
-    Norm weights 1, biases 0, every other weight normal with std 0.02 (the residual projections scaled
-    down by the depth); a Llama gets the same rule.
-    """
+    """GPT-2's initialisation, seeded (same seed, same bits on any machine): norm weights 1, biases 0, other weights
+    normal with std 0.02, the residual projections' scaled down by the depth."""
     generator = torch.Generator().manual_seed(seed)
     residual_std = 0.02 / math.sqrt(2 * model.config.n_layer)
     with torch.no_grad():
@@ -443,6 +378,5 @@ def build_model(config: ModelConfig) -> DecoderModel:
     """An uninitialised model of ``config``'s family."""
     if config.family == "llama":
         from shared.llama import Llama
-
         return Llama(config)
     return GPT(config)

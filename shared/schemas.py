@@ -1,12 +1,8 @@
 """The API contract every chapter speaks, in one place: request and response models, errors, limits.
 
-``POST /v1/inference`` takes ``{"input_ids": [...]}`` or ``{"prompt": "..."}`` (exactly one) and
-``max_new_tokens``; it answers with the generated ids and text, token counts and stage timings.
-Errors are always ``{"error": {"type": ..., "message": ...}}`` with a status that says what went
-wrong: 400 body is not JSON, 413 body too large, 422 invalid fields (ids out of vocabulary, prompt
-plus new tokens over the context included), 429 queue full (with Retry-After), 503 not ready or
-draining, 500 only for the requests of a batch that failed, 504 past a deadline.
-"""
+``POST /v1/inference`` takes ``input_ids`` or ``prompt`` (exactly one) and ``max_new_tokens``. Errors are ``{"error": {"type",
+"message"}}``: 400 not JSON, 413 too large, 422 invalid (ids out of vocabulary, over the context), 429 queue full (Retry-After),
+503 not ready or draining, 500 a failed batch, 504 past a deadline."""
 
 from __future__ import annotations
 

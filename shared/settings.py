@@ -1,16 +1,7 @@
-"""One typed settings object per server, read from command-line flags and ``SFS_*`` environment variables.
+"""One typed settings object per server, from command-line flags over ``SFS_*`` environment variables over the defaults.
 
-Flags win over the environment, the environment over the defaults. A chapter's settings class
-composes :class:`ServerSettings` with the option groups of the parts it runs (chapter 3's
-``BatcherOptions``, chapter 4's ``PoolOptions``, ...), so ``--help`` lists every knob of the server
-it starts and no other, and a knob is defined once, with one meaning, wherever it appears. Its
-default is the same wherever it appears too, except where choosing the value is a later chapter's
-lesson and that chapter measured it: chapter 6's tuned batcher, chapter 8's KV block size (its
-paged pool's option group); ``tests/test_settings.py`` holds every other knob equal.
-A value the settings refuse ends the process with a one-line message per problem and exit status 2,
-as argparse does for a malformed flag; so does a value that can only be judged once the model is
-loaded (:class:`SettingsError`, raised under :func:`refused_flags_exit`).
-"""
+A chapter composes :class:`ServerSettings` with its parts' option groups. A refused value, or a :class:`SettingsError` under
+:func:`refused_flags_exit`, ends the process with one line per problem and exit status 2, as argparse does."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""Byte-level tokenizer: every UTF-8 byte is a token, plus two special ids.
-
-The embedded default model speaks this vocabulary. A real model brings its own byte-level BPE (a
-Hugging Face directory's ``tokenizer.json``, or a GGUF file's vocabulary and merges), wrapped by
-:class:`HFTokenizer` behind the same two methods.
-"""
+"""Tokenizers behind one protocol: the default model's bytes (plus two special ids), a real model's BPE (:class:`HFTokenizer`)."""
 
 from __future__ import annotations
 
@@ -25,7 +20,6 @@ class Tokenizer(Protocol):
     chat_template: str | None  # the model's Jinja chat template, None where it has none
 
     def encode(self, text: str) -> list[int]: ...
-
     def decode(self, ids: list[int]) -> str: ...
 
 
@@ -59,11 +53,7 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A ``tokenizers`` tokenizer (a directory's ``tokenizer.json``, or a GGUF file's vocabulary and merges).
-
-    ``eos_id`` ends a turn in the OpenAI routes; ``chat_template`` is the model's own Jinja template
-    (None where the model has none). Special tokens written in a prompt (``<|im_start|>``) become their ids.
-    """
+    """A ``tokenizers`` tokenizer (``tokenizer.json``, or a GGUF's vocabulary); special tokens in a prompt become their ids."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_id: int, bos_id: int | None = None, pad_id: int | None = None,
                  chat_template: str | None = None) -> None:
@@ -84,15 +74,12 @@ class HFTokenizer:
 
 
 def load_hf_tokenizer(directory: Path, vocab_size: int) -> Tokenizer:
-    """The directory's ``tokenizer.json`` (special tokens and chat template from ``tokenizer_config.json``
-    where present), else the byte tokenizer when it fits the vocabulary."""
+    """The directory's ``tokenizer.json`` (``tokenizer_config.json``: specials, template), else bytes if they fit."""
     import json
-
     directory = Path(directory)
     path = directory / "tokenizer.json"
     if path.exists():
         from tokenizers import Tokenizer as _Tokenizer
-
         tok = _Tokenizer.from_file(str(path))
         config_path = directory / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.exists() else {}

@@ -1,9 +1,5 @@
-"""Train the embedded default model: ``python -m shared.train_default`` (about 15 minutes on 2 CPU cores).
-
-Deterministic: the corpus, the initialisation and the batch order all come from ``--seed``, and the
-run length is a number of steps (not a time), so a slower machine gets the same weights, later.
-Writes the safetensors file and a model card (markdown + JSON) whose figures this run measured.
-"""
+"""Train the embedded default model: ``python -m shared.train_default``. Deterministic: corpus, initialisation and batch order
+come from ``--seed`` and the run is a number of steps. Writes the safetensors file and a model card (markdown + JSON)."""
 
 from __future__ import annotations
 

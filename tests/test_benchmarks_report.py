@@ -276,23 +276,25 @@ def test_a_decode_attention_folder_is_its_own_block(tmp_path: Path):
     from benchmarks.report.study_blocks import decode_attention_block
 
     timing = {"min_ms": 2.0, "median_ms": 3.0}
+    candidates = ("dense cache", "flex kernel", "kernel call")
     run = {"workload": "mixed", "rounds": 3, "torch": "2.x", "cpu": "another CPU", "command": "python -m benchmarks.studies.decode_attention.decode_attention",
            "attention": {"engine": "eager/fp32", "kv_cache_dtype": "float32", "rows": 64, "block_tokens": 16,
-                         "context_median": 98, "context_max": 305, "bytes_read_mb": 13.7,
-                         "per_layer": {"kernel call": timing}, "gb_per_s_at_min": {"kernel call": 6.9}},
+                         "context_median": 98, "context_max": 305, "bytes_read_mb": 13.7, "dense_cache_bytes_mb": 20.0,
+                         "per_layer": {name: timing for name in candidates}, "gb_per_s_at_min": {name: 6.9 for name in candidates}},
            "step_without_attention": None}
     (tmp_path / "ch08" / "decode-attention-avx2").mkdir(parents=True)
     (tmp_path / "ch08" / "decode-attention-avx2" / "mixed.json").write_text(json.dumps(run))
     text = decode_attention_block(tmp_path, "decode-attention-avx2")
-    assert "| mixed | 64 | 16 | 98 / 305 | 13.7 | 2.00 (6.9 GB/s) |" in text and "another CPU" in text
+    assert "| mixed | 64 | 16 | 98 / 305 | 13.7 | 2.00 (6.9 GB/s) | 2.00 (6.9 GB/s) | 2.00 (6.9 GB/s) |" in text and "another CPU" in text
+    assert "eager and under `torch.compile`" not in text  # the run did not measure the rest of the step
     assert "No measurement yet" in decode_attention_block(tmp_path)  # the folder is not the first machine's files
 
 
 def test_the_event_loop_block_shows_each_trees_medians(tmp_path: Path):
     from benchmarks.report.study_blocks import event_loop_block
 
-    def tree(label: str, share: float) -> dict:
-        return {"label": label, "commit": label[:3] + "1234567",
+    def tree(label: str, share: float, streamed: bool = False) -> dict:
+        return {"label": label, "commit": label[:3] + "1234567", "streamed": streamed, "server_args": "",
                 "median": {"qps": 50.0, "p99_ms": 1500.0, "requests": 1000, "event_loop_share": share, "step_share": 1 - share,
                            "event_loop_ms_per_request": share * 20}, "runs": []}
 
@@ -308,13 +310,13 @@ def test_the_event_loop_block_shows_each_trees_medians(tmp_path: Path):
     assert "`python thread_share.py --trees a b`" in text and "a CPU" in text
     # A run with --both: one tree streamed and whole, each row saying which.
     both = {**run, "command": "python thread_share.py --trees a --both", "workload": "mixed", "streamed": None,
-            "trees": [{**tree("head", 0.12), "streamed": True}, {**tree("head", 0.05), "streamed": False}]}
+            "trees": [tree("head", 0.12, streamed=True), tree("head", 0.05)]}
     (folder / "mixed-both.json").write_text(json.dumps(both))
     text = event_loop_block(folder)
     assert "| mixed | streamed | 64 | 3 | head (`hea1234567`) | 50.0 | 1,500 | 12.0% | — | 2.40 |" in text
     assert "| mixed | whole | 64 | 3 | head (`hea1234567`) | 50.0 | 1,500 | 5.0% | — | 1.00 |" in text
     # A tree run with flags of its own, and the loop's kernel time split out.
-    flagged = {**both, "trees": [{**tree("head", 0.12), "streamed": True, "server_args": "--stream-interval=16",
+    flagged = {**both, "trees": [{**tree("head", 0.12, streamed=True), "server_args": "--stream-interval=16",
                                   "median": {**tree("head", 0.12)["median"], "event_loop_kernel_share": 0.03}}]}
     (folder / "mixed-flagged.json").write_text(json.dumps(flagged))
     text = event_loop_block(folder)
@@ -433,7 +435,7 @@ def test_the_serve_path_cost_block_divides_each_processes_cores_by_the_answers_a
     assert "| 1 replica, runs of 64 | 32 | 12.0 | 4.0 | 0.0 | 16.0 | 2.00× |" in text
 
 
-def test_the_step_profile_table_names_each_files_block_size_and_older_files_the_default_of_their_day(tmp_path: Path):
+def test_the_step_profile_table_reads_each_files_first_line(tmp_path: Path):
     from benchmarks.report.study_blocks import packed_step_profile_block
 
     folder = tmp_path / "ch08"
@@ -444,10 +446,12 @@ def test_the_step_profile_table_names_each_files_block_size_and_older_files_the_
             "   ncalls  tottime  percall  blocks of 99, (a line of cProfile's report, not the header)\n")
     (folder / "profile-new.txt").write_text(
         "attention kernel, engine eager/fp32, KV cache float32, workload mixed, blocks of 128, 64 sequences, greedy\n" + rest)
-    (folder / "profile-old.txt").write_text("attention kernel, engine eager/fp32, KV cache float32, workload mixed, 64 sequences, greedy\n" + rest)
+    (folder / "profile-smollm2.txt").write_text(
+        "smollm2: attention flex, engine eager/bf16, KV cache bfloat16, workload default, blocks of 16, 64 sequences, greedy\n"
+        + rest.replace("CPU: AMD EPYC, AVX2\n", ""))
     text = packed_step_profile_block(tmp_path)
     assert "| `profile-new.txt` | kernel | eager/fp32 | float32 | 128 | mixed | 29.2 | 23.26 | 95 % | 4.8% | AMD EPYC, AVX2 |" in text
-    assert "| `profile-old.txt` | kernel | eager/fp32 | float32 | 16 | mixed | 29.2 |" in text  # chapter 4's 16, then the server's
+    assert "| `profile-smollm2.txt` | flex | eager/bf16 | bfloat16 | 16 | default | 29.2 | 23.26 | 95 % | 4.8% | not recorded |" in text
 
 
 def test_a_partial_climb_shows_its_chapters_and_the_last_ones_ratios(tmp_path: Path):

@@ -18,7 +18,7 @@ from chapter_flags import MIN_TOKEN_AGREEMENT, attention_here
 from chapters.ch03_dynamic_batching.step_loop import run_until_done
 from chapters.ch04_memory_pool.memory_pool import KVMemoryPool
 from chapters.ch05_inference_engine.engine import build_eager
-from chapters.ch08_continuous_batching.cuda_graphs import GraphedDecodes, recorded_decodes
+from chapters.ch08_continuous_batching.fast.cuda_graphs import GraphedDecodes, GraphedModelRunner, model_runner
 from chapters.ch08_continuous_batching.model_runner import ModelRunner, packed_model
 from chapters.ch08_continuous_batching.paged_cache import PagedKVStore
 from chapters.ch08_continuous_batching.scheduler import ContinuousScheduler, SchedulerConfig, Sequence
@@ -43,7 +43,7 @@ def serve(model, store: PagedKVStore, capture: bool, requests, max_num_seqs: int
     seqs = [Sequence(p, n) for p, n in requests]
     for seq in seqs:
         scheduler.add(seq)
-    run_until_done(scheduler, ModelRunner(model, store, attention, graphs))
+    run_until_done(scheduler, GraphedModelRunner(model, store, attention, graphs))
     # every block back but the scratch block that padding rows write to
     assert store.manager.free_blocks == store.manager.total_blocks - 1
     return seqs, scheduler, replayed
@@ -63,10 +63,10 @@ def test_the_setting_is_refused_in_one_line_where_it_cannot_hold_and_auto_is_off
     store = PagedKVStore(KVMemoryPool(default_model.config, 256, block_tokens=16))
     for name in ("gather", "flex"):
         attention = attention_here(name, store)
-        assert recorded_decodes("auto", default_model.model, store, attention, 8) is None
-        assert recorded_decodes("off", default_model.model, store, attention, 8) is None
+        assert type(model_runner("auto", default_model.model, store, attention, 8)) is ModelRunner
+        assert type(model_runner("off", default_model.model, store, attention, 8)) is ModelRunner
         with pytest.raises(SettingsError, match="needs the pool on a GPU and the flex attention backend"):
-            recorded_decodes("on", default_model.model, store, attention, 8)
+            model_runner("on", default_model.model, store, attention, 8)
     assert store.manager.free_blocks == store.manager.total_blocks  # a refusal reserves nothing
 
 

@@ -25,7 +25,7 @@ from torch import Tensor
 from chapter_flags import attention_here
 from chapters.ch03_dynamic_batching.step_loop import run_until_done
 from chapters.ch04_memory_pool.memory_pool import KVMemoryPool
-from chapters.ch08_continuous_batching.attention_choice import build_attention, scattered_decode_inputs
+from chapters.ch08_continuous_batching.fast.attention_choice import build_attention, scattered_decode_inputs
 from chapters.ch08_continuous_batching.model_runner import ModelRunner
 from chapters.ch08_continuous_batching.paged_cache import PagedKVStore
 from chapters.ch08_continuous_batching.scheduler import ContinuousScheduler, SchedulerConfig, Sequence

@@ -21,7 +21,7 @@ from chapters.ch03_dynamic_batching.step_loop import run_step, run_until_done
 from chapters.ch04_memory_pool.memory_pool import KVMemoryPool
 from chapters.ch05_inference_engine.engine import build_eager, multiplies_in_bf16
 from chapters.ch05_inference_engine.engines import ACCURACY_TOLERANCE, PROBE_PAIRS
-from chapters.ch08_continuous_batching.attention_choice import build_attention
+from chapters.ch08_continuous_batching.fast.attention_choice import build_attention
 from chapters.ch08_continuous_batching.model_runner import ModelRunner, packed_model
 from chapters.ch08_continuous_batching.paged_cache import PagedKVStore, kv_cache_dtype
 from chapters.ch08_continuous_batching.scheduler import ContinuousScheduler, SchedulerConfig, Sequence, Status
@@ -272,7 +272,7 @@ def test_the_kernel_reads_the_models_own_views_and_writes_the_new_keys_where_gat
     does; given contiguous copies or bf16 inputs it takes its copying path to the same result. Heads of
     16, 64, 48 and 288 numbers: one number at a time, in vector pairs (GPT-2's 64, a constant to the
     compiler), both, and more than the registers hold."""
-    from chapters.ch08_continuous_batching.attention_choice import scattered_decode_inputs
+    from chapters.ch08_continuous_batching.fast.attention_choice import scattered_decode_inputs
 
     config = ModelConfig(vocab_size=16, n_ctx=64, n_embd=n_embd, n_layer=1, n_head=n_head)
     rows, size, rng = 5, 4, random.Random(3)
@@ -299,7 +299,7 @@ def test_the_studies_that_rebuild_the_kernel_still_find_what_they_change_in_its_
     prefetch and eviction studies change its prefetch: a rewrite of the kernel must keep them measuring it."""
     import importlib.util
 
-    from chapters.ch08_continuous_batching.attention_kernel import KERNEL_SOURCE
+    from chapters.ch08_continuous_batching.fast.attention_kernel import KERNEL_SOURCE
 
     path = Path(__file__).resolve().parent.parent / "benchmarks" / "studies" / "kernel_floor" / "floor_study.py"
     spec = importlib.util.spec_from_file_location("floor_study", path)
@@ -312,7 +312,7 @@ def test_the_studies_that_rebuild_the_kernel_still_find_what_they_change_in_its_
 
 
 def test_the_kernel_backend_says_why_it_cannot_run_without_a_compiler_or_when_the_build_fails(tmp_path) -> None:
-    from chapters.ch08_continuous_batching.attention_kernel import KernelUnavailable, build_kernel
+    from chapters.ch08_continuous_batching.fast.attention_kernel import KernelUnavailable, build_kernel
 
     with pytest.raises(KernelUnavailable, match="C compiler"):
         build_kernel(compiler=str(tmp_path / "no-such-cc"), cache=tmp_path)
@@ -324,7 +324,7 @@ def test_the_kernel_backend_says_why_it_cannot_run_without_a_compiler_or_when_th
 
 
 def test_the_attention_rule_times_the_backends_in_turns_and_serves_the_fastest_only_past_its_margin(monkeypatch, tmp_path) -> None:
-    from chapters.ch08_continuous_batching import attention_choice
+    from chapters.ch08_continuous_batching.fast import attention_choice
 
     scheduler, runner = fake_setup(max_num_seqs=4, budget=16, blocks=64)
     store, order = runner.store, []

@@ -18,9 +18,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from chapters.ch08_continuous_batching import attention_choice, startup_cache
-from chapters.ch08_continuous_batching.attention_choice import MARGIN, PREFERENCE, PROBE_ROUNDS
-from chapters.ch08_continuous_batching.startup_cache import (
+from chapters.ch08_continuous_batching.fast import attention_choice, startup_cache
+from chapters.ch08_continuous_batching.fast.attention_choice import MARGIN, PREFERENCE, PROBE_ROUNDS
+from chapters.ch08_continuous_batching.fast.startup_cache import (
     choose_once,
     measured_once,
     pick_within_margin,
@@ -188,7 +188,7 @@ def test_compilers_cache_under_the_cache_dir_unless_the_user_chose_a_place(cache
 
 
 def test_the_kernel_is_built_into_the_cache_dir(cache) -> None:
-    from chapters.ch08_continuous_batching.attention_kernel import KernelUnavailable, build_kernel
+    from chapters.ch08_continuous_batching.fast.attention_kernel import KernelUnavailable, build_kernel
 
     try:
         build_kernel()
@@ -236,7 +236,7 @@ def test_the_attention_choice_is_keyed_by_the_caches_dtype(cache, monkeypatch) -
 
 @pytest.mark.parametrize("change", ["source", "cpu flags", "compiler"])
 def test_the_kernels_build_is_named_for_its_source_flags_compiler_and_cpu(cache, monkeypatch, change) -> None:
-    from chapters.ch08_continuous_batching import attention_kernel
+    from chapters.ch08_continuous_batching.fast import attention_kernel
 
     before = attention_kernel.kernel_target("cc", cache)
     if change == "source":

@@ -364,10 +364,9 @@ def test_serves_completion_callback_gives_back_the_tokens_a_routed_request_owed(
     import pickle
     from types import SimpleNamespace
 
-    from ray.serve._private.common import (DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata,
-                                           StreamingHTTPRequest)
-    from ray.serve._private.request_router.common import PendingRequest
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata, StreamingHTTPRequest
     from ray.serve._private.router import AsyncioRouter
+    from ray.serve.request_router import PendingRequest, ReplicaID
 
     from chapters.ch09_scale_out.routing import LeastOutstandingTokensRouter
 

@@ -261,7 +261,7 @@ def test_the_committed_sweep_says_what_it_assumes_and_covers_every_point() -> No
 def test_plot_scaling_draws_a_line_per_router_on_both_axes() -> None:
     from matplotlib.figure import Figure
 
-    from chapters.ch09_scale_out.plots import plot_scaling
+    from benchmarks.report.scale_out_simulation_plots import plot_scaling
 
     document = json.loads((REPO_ROOT / DEFAULT_OUT).read_text())
     ax_p99, ax_goodput = Figure().subplots(1, 2)

@@ -10,6 +10,7 @@ a graded test's exercise and what it needs, and stubs every other exercise of it
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -25,7 +26,8 @@ from chapters import CHAPTERS
 from exercises.__main__ import main as exercises_main
 from exercises.course import COURSE, STEPS
 from exercises.grading import BLOCKED, NOT_ATTEMPTED, PASSED, grade, run_graded_tests
-from exercises.markers import STUB_ID_IN_TEXT, MarkerError, discover, parse_file
+from exercises.key import solution_diff
+from exercises.markers import STUB_ID_IN_TEXT, MarkerError, discover, function_at, functions_of, parse_file, rewrite_file
 from exercises.tree import repository_root, student_tree, write_tree
 from shared.unwritten import or_meanwhile
 
@@ -307,19 +309,204 @@ def test_student_refuses_to_write_inside_the_repository_or_an_unknown_chapter(tm
     assert exercises_main(["student", "--chapter", "ch99", "--out", str(tmp_path / "x")]) == 2
 
 
+def _chapter_file(root: Path, source: str, name: str = "m.py") -> Path:
+    path = root / "chapters" / "ch03_x" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(source.encode("utf-8"))
+    return path
+
+
 @pytest.mark.parametrize(
     ("source", "complaint"),
     [
-        ('def f():\n    # EXERCISE ch03.9 BEGIN "t"\n    return 1\n', "has no END"),
+        # A BEGIN without END runs to the end of its function, so it must not stop inside a block of it.
+        ('def f(x):\n    if x:\n        # EXERCISE ch03.9 BEGIN "t"\n        return 1\n    return 2\n', "ch03.9 has no END"),
         ('def f():\n    return 1\n    # EXERCISE ch03.9 END\n', "without its BEGIN"),
+        ('def f():\n    # EXERCISE ch03.9 BEGIN "t"\n    return 1\n# EXERCISE ch03.9 END\n', "without its BEGIN .*ran to the end of f"),
+        ('def f():\n    # EXERCISE ch03.9 BEGIN "t"\n    a = 1\n    # EXERCISE ch03.8 END\n', "END of ch03.8 without its BEGIN"),
         ('# EXERCISE ch03.9 BEGIN "t"\nX = 1\n# EXERCISE ch03.9 END\n', "inside a function body"),
+        ('X = 1\n# EXERCISE ch03.9 BEGIN "t"\nY = 2\n', "inside a function body"),  # unclosed, at module level
+        ('def f():\n    return 1\n# EXERCISE ch03.9 BEGIN "t"\nX = 1\n', "inside a function body"),
+        # Two regions in one function: the first needs its END.
+        ('def f():\n    # EXERCISE ch03.9 BEGIN "t"\n    a = 1\n    # EXERCISE ch03.8 BEGIN "u"\n    return a\n',
+         "ch03.8 begins inside ch03.9 .*needs its END before it"),
+        ('def f():\n    # EXERCISE ch03.9 BEGIN "t"\n    a = 1\n    # EXERCISE ch03.8 BEGIN "u"\n    b = 2\n'
+         '    # EXERCISE ch03.8 END\n    return a\n    # EXERCISE ch03.9 END\n', "begins inside"),
+        ('def f():\n    return 1\n    # EXERCISE ch03.9 BEGIN "t"\n', "marks no lines"),
+        ('def f():\n    x = 1\n    # EXERCISE ch03.9 BEGIN "t"\n    # only a comment\n    # EXERCISE ch03.9 END\n    return x\n', "only comments"),
         ('def f():\n  # EXERCISE ch03.9 BEGIN "t"\n    return 1\n  # EXERCISE ch03.9 END\n', "indented like"),
         ('def f():\n    # EXERCISE ch03.9 BEGIN t\n    return 1\n', "malformed"),
     ],
 )
 def test_bad_markers_are_errors_not_silent_misses(tmp_path: Path, source: str, complaint: str) -> None:
-    path = tmp_path / "chapters" / "ch03_x" / "m.py"
-    path.parent.mkdir(parents=True)
-    path.write_text(source, encoding="utf-8")
+    path = _chapter_file(tmp_path, source)
     with pytest.raises(MarkerError, match=complaint):
         parse_file(tmp_path, path)
+
+
+# A region without END (ch03.9: it runs to the end of take, trailing comment included), then in one
+# function a region with END followed by one without (ch03.8), the last one inside a block, at the end
+# of the file.
+OPEN_ENDED = '''\
+class Pool:
+    def take(self, n: int) -> int:
+        """Take n."""
+        if n < 0:
+            raise ValueError(n)
+        # EXERCISE ch03.9 BEGIN "take them"
+        self.used += n
+        return self.used
+        # a trailing comment of the solution
+
+    def give(self, n: int) -> None:
+        # EXERCISE ch03.8 BEGIN "give them"
+        self.used -= n
+        # EXERCISE ch03.8 END
+        self.check()
+        if n:
+            # EXERCISE ch03.8 BEGIN "give them"
+            if self.used == 0:
+                self.idle = True
+'''
+STUB_9 = 'raise NotImplementedError("ch03.9: take them, see chapters/ch03_x/README.md#exercise-9")'
+STUB_8 = 'raise NotImplementedError("ch03.8: give them, see chapters/ch03_x/README.md#exercise-8")'
+OPEN_ENDED_STUB = f'''\
+class Pool:
+    def take(self, n: int) -> int:
+        """Take n."""
+        if n < 0:
+            raise ValueError(n)
+        # EXERCISE ch03.9 BEGIN "take them"
+        {STUB_9}
+
+    def give(self, n: int) -> None:
+        # EXERCISE ch03.8 BEGIN "give them"
+        {STUB_8}
+        # EXERCISE ch03.8 END
+        self.check()
+        if n:
+            # EXERCISE ch03.8 BEGIN "give them"
+            {STUB_8}
+'''
+
+
+def _without_toggle_guards(text: str) -> str:
+    """A toggle tree's file minus the two lines put in front of each region: the solution's own text."""
+    lines = text.splitlines(keepends=True)
+    kept, index = [], 0
+    while index < len(lines):
+        if lines[index].lstrip().startswith('if __import__("exercises.toggle").toggle.is_stubbed('):
+            assert lines[index + 1].lstrip().startswith("raise NotImplementedError("), lines[index + 1]
+            index += 2
+            continue
+        kept.append(lines[index])
+        index += 1
+    return "".join(kept)
+
+
+def test_a_region_without_end_runs_to_the_end_of_its_function(tmp_path: Path) -> None:
+    path = _chapter_file(tmp_path, OPEN_ENDED)
+    regions = [(i, r.begin, r.end, r.has_end, r.indent, r.function) for i, _, r in parse_file(tmp_path, path)]
+    assert regions == [
+        ("ch03.9", 5, 9, False, " " * 8, "Pool.take"),  # through the trailing comment, not the blank line after it
+        ("ch03.8", 11, 13, True, " " * 8, "Pool.give"),
+        ("ch03.8", 16, 19, False, " " * 12, "Pool.give"),
+    ]
+    # With an END after the return, as before: the same lines, marked the other way.
+    explicit = OPEN_ENDED.replace("        # a trailing comment of the solution\n",
+                                  "        # a trailing comment of the solution\n        # EXERCISE ch03.9 END\n")
+    first = parse_file(tmp_path, _chapter_file(tmp_path, explicit, "e.py"))[0][2]
+    assert (first.begin, first.end, first.has_end, first.function) == (5, 9, True, "Pool.take")
+
+
+def test_a_region_without_end_stubs_to_its_begin_and_the_raise_and_restubs_to_the_same(tmp_path: Path) -> None:
+    _chapter_file(tmp_path, OPEN_ENDED)
+    relative = Path("chapters/ch03_x/m.py")
+    stub = rewrite_file(tmp_path, relative, discover(tmp_path))
+    assert stub == OPEN_ENDED_STUB
+    again = tmp_path / "again"
+    _chapter_file(again, stub)
+    found = discover(again)
+    assert [(r.begin, r.end, r.has_end) for e in found for r in e.regions] == [(9, 11, True), (14, 16, False), (5, 7, False)]
+    assert rewrite_file(again, relative, found) == stub  # a stubbed tree stubbed again: unchanged
+
+
+def test_a_region_without_end_toggles_and_keys_back_to_the_original_byte_for_byte(tmp_path: Path) -> None:
+    _chapter_file(tmp_path, OPEN_ENDED)
+    relative = Path("chapters/ch03_x/m.py")
+    exercises = discover(tmp_path)
+    toggled = rewrite_file(tmp_path, relative, exercises, toggle=True)
+    assert _without_toggle_guards(toggled) == OPEN_ENDED
+    namespace: dict = {}
+    exec(compile(toggled, "m.py", "exec"), namespace)  # the guard is inside the function, before the solution
+    pool = namespace["Pool"]()
+    pool.used = 1
+    assert pool.take(2) == 3
+    for exercise in exercises:  # the answer key turns the stub back into the solution
+        learner = tmp_path / f"learner-{exercise.id}"
+        _chapter_file(learner, rewrite_file(tmp_path, relative, [exercise]))
+        key = tmp_path / f"{exercise.id}.diff"
+        key.write_text(solution_diff(tmp_path, exercise), encoding="utf-8")
+        done = subprocess.run(["git", "apply", str(key)], cwd=learner, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        assert (learner / relative).read_bytes() == OPEN_ENDED.encode("utf-8")
+
+
+def test_a_region_without_end_at_the_end_of_a_file_without_newline(tmp_path: Path) -> None:
+    source = 'def f(x):\n    """Doc."""\n    # EXERCISE ch03.9 BEGIN "t"\n    return x + 1'
+    _chapter_file(tmp_path, source)
+    relative = Path("chapters/ch03_x/m.py")
+    exercises = discover(tmp_path)
+    stub = rewrite_file(tmp_path, relative, exercises)
+    assert stub == source.replace("return x + 1", 'raise NotImplementedError("ch03.9: t, see chapters/ch03_x/README.md#exercise-9")')
+    assert _without_toggle_guards(rewrite_file(tmp_path, relative, exercises, toggle=True)) == source
+    again = tmp_path / "again"
+    _chapter_file(again, stub)
+    assert rewrite_file(again, relative, discover(again)) == stub
+
+
+def test_every_marked_file_stubs_restubs_and_toggles_back_byte_for_byte(tmp_path: Path) -> None:
+    """This repository's markers, either form: a stubbed region is its BEGIN, the raise and its END if it has
+    one; stubbing again changes nothing; a toggle tree without its guards is the solution."""
+    snapshot = tmp_path / "solution"  # chapters/ is being edited: one snapshot for every step
+    write_tree(ROOT, snapshot, [], only=["chapters"])
+    exercises = discover(snapshot)
+    student = tmp_path / "student"
+    write_tree(snapshot, student, exercises, only=["chapters"])
+    toggled = tmp_path / "toggle"
+    rewritten = write_tree(snapshot, toggled, exercises, toggle=True, only=["chapters"])
+    assert rewritten
+    restubbed = discover(student)
+    assert [(e.id, len(e.regions)) for e in restubbed] == [(e.id, len(e.regions)) for e in exercises]
+    for exercise in restubbed:
+        for region in exercise.regions:
+            lines = (student / region.path).read_text(encoding="utf-8").splitlines()
+            assert lines[region.begin + 1 : region.end] == [f'{region.indent}raise NotImplementedError("{exercise.stub_message}")'], \
+                f"{region.path}:{region.begin + 1}"
+    for relative in rewritten:
+        assert rewrite_file(student, relative, restubbed) == (student / relative).read_text(encoding="utf-8"), relative
+        assert _without_toggle_guards((toggled / relative).read_text(encoding="utf-8")) == \
+            (snapshot / relative).read_text(encoding="utf-8"), relative
+
+
+def test_no_END_marker_lingers_after_the_return_that_ends_its_function() -> None:
+    """An END right after a function's final ``return`` (or ``raise``) reads as misplaced dead code: a region
+    that runs to the end of its function has none."""
+    lingering = []
+    for exercise in EXERCISES:
+        for region in exercise.regions:
+            if not region.has_end:
+                continue
+            text = (ROOT / region.path).read_text(encoding="utf-8")
+            lines = text.splitlines()
+            function = function_at(functions_of(ast.parse(text), lines), region.end)
+            if function is None or function.last != region.end:
+                continue  # the region stops before its function's end: its END is needed
+            previous = max(i for i in range(region.begin + 1, region.end) if lines[i].strip())
+            exits = [node for node in ast.walk(function.node)
+                     if isinstance(node, (ast.Return, ast.Raise)) and (node.end_lineno or 0) - 1 == previous]
+            if exits:
+                lingering.append(f"{region.path}:{region.end + 1}: {exercise.id} END after the {type(exits[0]).__name__.lower()} "
+                                 f"that ends {function.name}")
+    assert lingering == [], ("END markers after the return/raise that ends their function (drop them: the region then runs "
+                             "to the function's end):\n" + "\n".join(lingering))

@@ -23,7 +23,7 @@ from chapters.ch04_memory_pool.server import PoolSettings
 from chapters.ch05_inference_engine.server import EngineSettings
 from chapters.ch06_tuned_batching.server import TUNED_FIELDS, TunedSettings
 from chapters.ch07_production.server import ProductionSettings
-from chapters.ch08_continuous_batching.server import PAGED_FIELDS, ContinuousSettings
+from chapters.ch08_continuous_batching.server import ContinuousSettings
 from chapters.ch09_scale_out.server import ScaleOutSettings
 from shared.settings import ServerSettings, parse_settings
 
@@ -34,6 +34,7 @@ CHAPTER_SETTINGS = {
 }
 TUNED_FROM = {"ch06", "ch07"}  # the chapters whose batcher defaults are chapter 6's tuned ones
 PAGED_FROM = {"ch08", "ch09"}  # the chapters whose pool is chapter 8's paged one, with its measured block size
+PAGED_FIELDS = ("block_tokens",)  # the pool knobs whose default chapter 8 sets (its words stay chapter 4's)
 
 
 def field_meanings(name: str) -> dict[tuple, list[str]]:

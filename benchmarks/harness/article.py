@@ -1,7 +1,7 @@
 """The source article's climb (its GPU, its model): the figures every measured climb is shown beside.
 
-QPS 12 -> 28 -> 95 -> 120 -> 185 -> 210 and P99 3.5 s -> 0.25 s for chapters 1 to 6, with the GPU
-utilisation it reported at each step. Compare ratios to ch01, not absolute numbers.
+:data:`ARTICLE` holds, for chapters 1 to 6, the QPS, the P99 (seconds) and the GPU utilisation (%) the
+article reported. Its machine is not ours: compare ratios to :data:`BASELINE`, not absolute numbers.
 """
 
 from __future__ import annotations

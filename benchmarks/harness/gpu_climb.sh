@@ -68,14 +68,14 @@ fi
 if [ "${CHOICE:-1}" != 0 ]; then  # CHOICE=0: a warm machine that measured it already
 step "auto engine choice on the gpu profile's model (at most ${CHOICE_LIMIT_S:=75} s)"
 # Same weights, device and thread count as the chapter servers, so the cached choice's key matches.
-limited "$CHOICE_LIMIT_S" "$python" - "${SFS_BENCH_GPT2_WEIGHTS:-dummy}" > "$out/engine_choice.log" 2>&1 <<'EOF'
+limited "$CHOICE_LIMIT_S" "$python" - "${SFS_BENCH_WEIGHTS:-smollm2}" > "$out/engine_choice.log" 2>&1 <<'EOF'
 import json, logging, sys
 import torch
 logging.basicConfig(level=logging.INFO)
 torch.set_num_threads(1)
 from chapters.ch05_inference_engine.engines import choose_default
 from shared.weights import load_model
-model = load_model(sys.argv[1], "gpt2", "cuda").model
+model = load_model(sys.argv[1], device="cuda").model
 print(json.dumps({"chosen": choose_default(model)}))
 EOF
 tail -n 20 "$out/engine_choice.log"

@@ -34,14 +34,14 @@ from benchmarks.harness.workload import Workload
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 # The locustfile times the steady-state window itself; Locust's -t is only the outer bound, which must
-# also cover starting the users (about a second: -r = -u) and their first round (every user's first
-# answer; a slow server at 64 users takes seconds).
+# also cover starting the users (-r = -u: all in the first second) and their first round (every user's
+# first answer).
 FIRST_ROUND_ALLOWANCE_S = 60.0
 PROCESS_GRACE_S = 60.0  # Python + gevent start-up and shutdown around the run itself
 # Distributed mode. The master gives up (and exits non-zero) when its workers have not all connected by
 # then, rather than wait forever (Locust's default); the harness's own bound on the run includes it.
 EXPECT_WORKERS_MAX_WAIT_S = 30
-# Workers exit on the master's quit message, within a second; past this after the master, they are killed.
+# Workers exit on the master's quit message; past this after the master, they are killed.
 WORKER_EXIT_GRACE_S = 15.0
 GROUP_POLL_S = 0.1  # how often the harness looks at its Locust processes (several children: nothing to await)
 LOOPBACK = "127.0.0.1"

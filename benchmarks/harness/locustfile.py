@@ -88,7 +88,7 @@ WORKERS = int(os.environ.get("SFS_BENCH_WORKERS", 0))
 WORKER_INDEX = int(os.environ.get("SFS_BENCH_WORKER_INDEX", 0))
 STOP_POLL_S = 0.05  # how often the early stop is checked, and how often a worker reports its count
 # The open loop's common start lies this far ahead of the master's message, so that every worker has
-# it before the first arrival (loopback messages take milliseconds).
+# it before the first arrival.
 OPEN_START_MARGIN_S = 0.25
 
 SINGLE, MASTER, WORKER = "single", "master", "worker"
@@ -246,8 +246,7 @@ def _stop_when_measured(environment) -> None:
     """End the level by the window's own clock: the sample is big enough (after the minimum time), or time is up.
 
     Timing the window, not the whole run, gives every level the same measuring time however long
-    its first round took (64 users of a slow server can take seconds to all get a first answer).
-    Locust's -t still bounds the whole run.
+    its first round took. Locust's -t still bounds the whole run.
     """
     while True:
         gevent.sleep(STOP_POLL_S)
@@ -337,8 +336,8 @@ def _on_init(environment, **_kwargs) -> None:
         environment.runner.register_message("sfs_start", _on_open_start)
 
 
-# test_stopping fires before the users are stopped (Locust >= 2.16); older versions only have test_stop.
-@getattr(events, "test_stopping", events.test_stop).add_listener
+# test_stopping fires before the users are stopped: the window closes when the stop begins.
+@events.test_stopping.add_listener
 def _on_stopping(**_kwargs) -> None:
     if Run.stopping_at is None:
         Run.stopping_at = time.time()

@@ -1,13 +1,12 @@
 """Benchmark profiles: which model, which loads, how long, on which cores. Every chapter gets the same one.
 
-``smoke``  CI: a 2-3 s window per level (5-6 s with Locust's start), two levels, random weights: it
-           checks that the harness works, its figures mean nothing.
+``smoke``  CI: a 2-3 s window per level, two levels, random weights: it checks that the harness
+           works, its figures mean nothing.
 ``cpu``    the main job on a laptop: the embedded default model, concurrency 1/8/32/64. A level ends
-           once 200 successful requests were measured (at least 6 s, at most 25 s), so the whole
-           climb of six chapters stays under 15 minutes on 2 cores while every saturated level
-           has a P99 sample of 200 or more.
+           once 200 successful requests are measured (at least 6 s, at most 25 s), so every
+           saturated level has a P99 sample of 200 or more.
 ``gpu``    the article's comparison on CUDA: the real model, SmolLM2-135M-Instruct (about GPT-2's size),
-           loads 1/16/64/256, 4-12 s a level: the chapters fit one 10-minute run on a lent GPU.
+           loads 1/16/64/256, 4-12 s a level, sized for one 10-minute command on a lent GPU.
 ``auto``   ``gpu`` where torch sees CUDA, else ``cpu``.
 
 ``--weights`` serves other weights under a profile's loads (:func:`with_weights`): ``--weights smollm2``
@@ -131,8 +130,7 @@ def build_profiles() -> dict[str, Profile]:
             name="cpu", levels=(1, 8, 32, 64), min_level_s=6.0, max_level_s=25.0, target_requests=200,
             model_args=("--weights=default", "--device=cpu"), vocab_size=TINY_VOCAB,
             torch_threads=1, pin_cores=True, server_core_budget=1, warmup_requests=8,
-            # Six chapters' sweeps stay under about 15 minutes on 2 cores: 6-12 s a rate, stopping once
-            # a chapter gives way. The SLO is about twice what a batch of 64 takes on such a machine.
+            # 6-12 s a rate, each chapter's sweep stopping once it gives way.
             open_loop=OpenLoopSettings(
                 rates=(2.0, 5.0, 10.0, 20.0, 40.0, 60.0, 80.0, 100.0), min_level_s=6.0, max_level_s=12.0,
                 target_requests=150, lead_in_s=1.0, drain_s=8.0, max_outstanding=256, slo_ms=1000.0,
@@ -177,8 +175,8 @@ def weights_name(weights: str) -> str:
     return weights if weights in ("smollm2", "dummy", "default") else Path(weights).stem or Path(weights).name
 
 
-# A real model's answer costs tens of times the embedded GPT's: chapter 1, one answer at a time, gives 64
-# users their first answers in minutes, not seconds. A bound, not a duration: a faster server never waits it.
+# How long a real model's first round and answer may take (chapter 1 answers 64 users one at a time). A bound,
+# not a duration: a faster server never waits it.
 REAL_MODEL_WAIT_S = 300.0
 
 

@@ -18,9 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from shared.paths import REPO_ROOT
 
-# 2: per-level stage timings, a sample of requests, the server's batch sizes and figures over time,
-#    resource samples over time, the machine's calibration (all optional: version-1 files still load),
-#    and the open-loop sweep's own file (:class:`OpenLoopResult`).
+# Version 2 is version 1 plus optional fields: per-level stage timings, a sample of requests, the server's
+# batch sizes and figures over time, resource samples over time, the machine's calibration; and the
+# open-loop sweep's own file (:class:`OpenLoopResult`). Both versions are read.
 SCHEMA_VERSION = 2
 READABLE_SCHEMA_VERSIONS = (1, 2)
 # A level keeps at most this many requests' own figures (for plots); its summaries use every request.
@@ -60,7 +60,7 @@ class Environment(_Strict):
 
 
 class LoadGenerator(_Strict):
-    """How Locust ran. Absent from files written before it was recorded: those ran one Locust process."""
+    """How Locust ran; a results file without it ran one Locust process."""
 
     workers: int = Field(0, ge=0, description="0: one Locust process; N >= 1: Locust's distributed mode, a master "
                                               "and N worker processes on loopback, their requests merged")
@@ -81,7 +81,7 @@ class RunConfig(_Strict):
     server_args: list[str]
     server_command: list[str]
     reproduce: str = Field(description="the harness command that reproduces this file")
-    load_generator: LoadGenerator | None = Field(None, description="how Locust ran; None: one process (older files)")
+    load_generator: LoadGenerator = Field(default_factory=LoadGenerator, description="how Locust ran (absent: one process)")
 
 
 class Latency(_Strict):
@@ -176,7 +176,7 @@ class LevelMeasurements(_Strict):
     gpu_util_percent_mean: float | None = None
     gpu_memory_mb_max: float | None = None
     locust_exit_code: int
-    # schema 2 (absent from version-1 files)
+    # schema 2 (optional)
     stages_ms: dict[str, StageSummary] | None = Field(None, description="the server's timings_ms, per stage")
     samples: RequestSamples | None = None
     server_series: ServerSeries | None = None
@@ -301,7 +301,7 @@ class OpenLoopConfig(_Strict):
     server_args: list[str]
     server_command: list[str]
     reproduce: str
-    load_generator: LoadGenerator | None = Field(None, description="how Locust ran; None: one process (older files)")
+    load_generator: LoadGenerator = Field(default_factory=LoadGenerator, description="how Locust ran (absent: one process)")
 
 
 class OpenLoopLevel(LevelMeasurements):
@@ -424,7 +424,7 @@ def load_results(directory: Path, workload: str = "default") -> dict[str, Benchm
         try:
             result = load_result(path)
         except ValueError:
-            continue  # not one of ours (or an older schema): the report says nothing about it
+            continue  # not one of ours (or a schema version not read here): the report says nothing about it
         if result.chapter != "ceiling" and result.workload == workload:
             results[result.label] = result
     return results

@@ -1,64 +1,35 @@
 """Streaming measurement: time to first token, time per output token, inter-token latency, goodput.
 
-The Locust harness measures whole responses. A streaming server is felt token by token, so this
-client reads each response as it arrives and records when every token came, with vLLM's benchmark
-definitions (``benchmarks/benchmark_serving.py`` there):
+Reads each answer as it arrives and records when every token came, with vLLM's benchmark definitions:
 
 - **TTFT**, time to first token: from sending the request to receiving its first token;
-- **TPOT**, time per output token: ``(E2E - TTFT) / (output tokens - 1)`` per request (the first
-  token excluded), for requests of more than one token;
+- **TPOT**, time per output token: ``(E2E - TTFT) / (output tokens - 1)`` per request, for requests of
+  more than one token;
 - **ITL**, inter-token latency: every gap between two consecutive tokens of a request, all pooled;
 - **E2E**: from sending to the last byte;
 - **goodput**: completed requests per second that met every SLO given (TTFT, TPOT, E2E).
 
-A server that does not stream (chapters 1-7) is measured the same way with ``--no-stream``: its
-first token arrives with its last, so its TTFT is its E2E and TPOT/ITL are not defined.
+Latencies are in milliseconds (mean, P50, P99). A server that does not stream is measured with
+``--no-stream``: its first token arrives with its last, so its TTFT is its E2E and TPOT/ITL are ``None``.
 
-The client is aiohttp, as vLLM's benchmark client is, one session with a connection per user kept
-alive. It was httpx until the side-by-side rounds showed TTFT tails of seconds on ``default`` that
-were not the server's: a model-free streaming server under the httpx client had them too (its
-handler entered seconds after the request was sent, with either of uvicorn's HTTP parsers), and
-they vanished without keep-alive or with aiohttp (``benchmarks/studies/stream_stalls/``). Its ceiling on this machine: ``run`` against
-``python -m benchmarks.harness.trivial_server``, which streams when asked.
-
-The ``mixed`` workload is the article's prompts (16/32/64/128 tokens) with new tokens drawn from 8 to
-256, log-uniform (most answers short, a long tail): the mix where a request-level batch is held by
-its longest member. ``default`` is the climb's (32 new tokens) and ``shared-prefix`` the harness's
-prefix-reuse mix (a few long prefixes shared by every request, short distinct suffixes; defined, with
-its mix, in ``benchmarks/harness/workload.py``). Closed loop: ``--users`` clients each send their next request
-when the last one ends, for ``--duration-s`` seconds; loopback only, bounded in time.
+Closed loop: ``--users`` clients (aiohttp, one session, a kept-alive connection per user) each send
+their next request when the last one ends, for ``--duration-s`` seconds, on loopback only. Workloads
+(``--workload``): ``mixed`` (the article's prompt lengths, 8 to 256 new tokens, log-uniform), ``default``
+(the climb's, 32 new tokens) and ``shared-prefix`` (:mod:`benchmarks.harness.workload`'s); ``chat`` (a
+shared system prompt and one short question) goes to OpenAI's chat route only, through :func:`run_closed_loop`.
 
     python -m benchmarks.harness.streaming run --url http://127.0.0.1:8000 --users 32 --duration-s 20
     python -m benchmarks.harness.streaming compare --chapters ch06 ch08 --users 32 --duration-s 20 \
         --out benchmarks/reference/cpu/streaming/mixed.json
 
-``compare`` runs every chapter at the same number of users (equal load); its JSON, one file per
-workload under ``<results dir>/streaming/``, is what ``notebooks/ch08_continuous_batching.ipynb`` plots.
-``--profile cpu`` gives every server what the climb gives it (the profile's model flags, one torch
-thread, its thread variables, pinned to the server's cores) and pins this client to the load
-generator's core, so its figures compare with the climb's; without it, each server runs at its own
-defaults and shares every core with the client. The JSON records which (``harness``).
-
-``--variant LABEL=CHAPTER:FLAGS`` adds a chapter run with flags of its own under its own label (after
-``--server-args``, so its flags win), to compare settings of one chapter; ``--rounds N`` runs every
-server N times, round by round (in reverse order every other round), and keeps each one's median-QPS round (every round under its ``rounds``), as
-the climb's repeats do. Chapter 8 with prefix caching on and off, one file per workload
-(``shared-prefix``, then ``default`` and ``mixed``, where caching should cost nothing), read by the
-README block ``ch08-prefix-caching``:
-
-    python -m benchmarks.harness.streaming compare --profile cpu --variant caching-on=ch08:--prefix-caching=on \
-        --variant caching-off=ch08:--prefix-caching=off --server-args '--precision=fp32 --attention=flex' \
-        --workload shared-prefix --users 32 --duration-s 20 --rounds 3 \
-        --out benchmarks/reference/cpu/ch08/prefix-caching/shared-prefix.json
-
-(the same with ``--workload default`` and ``--workload mixed``, each to its own ``<workload>.json``).
-
-``run --api openai`` speaks OpenAI's completions route instead (``POST /v1/completions``, the prompt as
-token ids, ``max_tokens``, greedy), which chapter 8 and other servers (vLLM) both serve, so one client
-measures both: ``--openai-extra '{"ignore_eos": true}'`` adds a server's own fields to every request
-(vLLM stops at end-of-text unless told not to; chapter 8 never does and refuses fields it does not
-know). A streamed answer asks for ``usage`` in its last chunk, so the tokens are counted as the server
-counts them, and a token's time is its chunk's arrival. ``benchmarks/studies/vllm_peer/`` runs it.
+``run`` measures one server at ``--url`` (``--api openai``: ``POST /v1/completions``, or
+``/v1/chat/completions`` for ``chat``, greedy, the model ``GET /v1/models`` names; ``--openai-extra JSON``
+adds a server's own fields to every request). ``compare`` starts each chapter in turn and measures them
+at the same load: ``--variant LABEL=CHAPTER:FLAGS`` adds a chapter with flags of its own (after
+``--server-args``, so its flags win); ``--rounds N`` runs every server N times, round by round, in
+reverse order every other round, and keeps each one's median-QPS round (:func:`median_round`);
+``--profile cpu`` gives every server the climb's flags, threads and cores, and pins this client to the
+load generator's core. The JSON (:func:`compare_document`) records how the servers ran (``harness``).
 """
 
 from __future__ import annotations
@@ -409,10 +380,8 @@ def compare_document(workload: str, users: int, duration_s: float, chapters: dic
     """The JSON ``compare`` writes: each server's :func:`summarize` (plus ``streamed``) at the same load,
     keyed by its label (a chapter's id unless it is a ``--variant``), its :func:`median_round` when ``rounds`` > 1.
 
-    ``harness``: how the servers ran (:func:`harness_settings`); absent in files written before it was
-    recorded, which ran every server at its defaults, unpinned. ``variants``: each label's chapter and own
-    flags; ``rounds``: how many times each server ran. Both absent in files written before they were
-    recorded: one round, every label a chapter at its defaults."""
+    ``harness``: how the servers ran (:func:`harness_settings`; :func:`unpinned_harness` when not given).
+    ``variants``: each label's chapter and own flags; ``rounds``: how many times each server ran."""
     document = {"kind": "streaming-compare", "schema": 1, "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
                 "command": command, "workload": workload, "users": users, "duration_s": duration_s,
                 "server_args": server_args, "harness": harness or unpinned_harness(), "rounds": rounds, "chapters": chapters}
@@ -422,7 +391,7 @@ def compare_document(workload: str, users: int, duration_s: float, chapters: dic
 
 
 def unpinned_harness() -> dict[str, Any]:
-    """What ``compare`` without ``--profile`` does (and what every file before ``harness`` was recorded did)."""
+    """The ``harness`` block of ``compare`` without ``--profile``: every server at its defaults, nothing pinned."""
     return {"profile": None, "pinning": False, "server_cores": None, "client_cores": None, "server_env": {},
             "git_commit": None}
 
@@ -460,13 +429,14 @@ def harness_settings(profile_name: str | None, weights: str | None = None) -> tu
 
 
 def describe_harness(harness: dict[str, Any] | None) -> str:
-    """One sentence on how a comparison ran, for the tables that quote it."""
+    """One sentence on how a comparison ran, for the tables that quote it (``None``: :func:`unpinned_harness`;
+    the CPU named where the block records it)."""
     harness = harness or unpinned_harness()
     if not harness.get("profile"):
         return "every server at its own defaults; client and server unpinned, sharing every core"
     where = (f"server pinned to cores {harness['server_cores']}, client to {harness['client_cores']}" if harness["pinning"]
              else "no core pinning (fewer than two cores)")
-    machine = f"; CPU: {harness['cpu']}" if harness.get("cpu") else ""  # recorded since the rounds ran on more than one machine
+    machine = f"; CPU: {harness['cpu']}" if harness.get("cpu") else ""
     return f"the climb's `{harness['profile']}` profile settings for every server; {where}{machine}"
 
 
@@ -489,7 +459,8 @@ def json_object(text: str) -> dict[str, Any]:
     return value
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: ``run`` (one server at ``--url``) and ``compare`` (chapters started in turn)."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.harness.streaming", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("run", "compare"):
@@ -519,6 +490,11 @@ def main(argv: list[str] | None = None) -> None:
     compare.add_argument("--server-args", default="", help="extra flags for every server")
     compare.add_argument("--profile", choices=("cpu",), default=None,
                          help="run every server as the climb's profile does (flags, threads, pinned cores)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     if args.users < 1 or args.duration_s <= 0 or getattr(args, "rounds", 1) < 1:

@@ -30,7 +30,7 @@ def percentile_ms(latencies_s: list[float], q: float) -> float:
 
 
 def _timings(record: list) -> dict[str, float] | None:
-    """The server's ``timings_ms`` of a record (index 6), ``None`` for records written before it existed."""
+    """The server's ``timings_ms`` of a record (index 6), ``None`` where the record has none."""
     return record[6] if len(record) > 6 and isinstance(record[6], dict) else None
 
 

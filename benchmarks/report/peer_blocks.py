@@ -87,8 +87,8 @@ def _how(runs: list[dict], folder: Path) -> str:
 REAL_MODEL_PEERS_DIR = "real-model-peers"
 REAL_MODEL_PEERS_COMMAND = ("python -m benchmarks.studies.real_model_peers.peers compare --workloads default chat "
                             "--answers whole stream --users 64 --duration-s 30 --rounds 3")
-_SERVER_NAMES = {"ch08": "chapter 8 (bf16)", "vllm": "vLLM CPU (bf16)", "llama-f16": "llama-server F16",
-                 "llama-q4_1": "llama-server Q4_1"}
+_SERVER_NAMES = {"ch08": "chapter 8 (bf16)", "ch08-inference": "chapter 8 (bf16), `/v1/inference`",
+                 "vllm": "vLLM CPU (bf16)", "llama-f16": "llama-server F16", "llama-q4_1": "llama-server Q4_1"}
 
 
 def real_model_peers_block(directory: Path) -> str:
@@ -108,7 +108,7 @@ def real_model_peers_block(directory: Path) -> str:
         ours = run["chapters"]["ch08"]
         streamed = run["answers"] == "stream"
         for label, figures in run["chapters"].items():
-            ratio = "—" if label == "ch08" else (f"{ours['qps'] / figures['qps']:.2f}× ("
+            ratio = "—" if label.startswith("ch08") else (f"{ours['qps'] / figures['qps']:.2f}× ("
                                                  + ", ".join(f"{a['qps'] / b['qps']:.2f}" for a, b in zip(_rounds(ours), _rounds(figures))) + ")")
             ttft = f"{figures['ttft_ms']['p50']:,.0f} / {figures['ttft_ms']['p99']:,.0f}" if streamed else "—"
             errors = sum(sum(r["errors"].values()) for r in _rounds(figures))
@@ -123,7 +123,7 @@ def real_model_peers_block(directory: Path) -> str:
 def _real_model_how(runs: list[dict], folder: Path) -> str:
     """The sentence under the real model's table: the command, how each server ran, its version."""
     commands, settings, commits = _provenance(runs)
-    servers = runs[0]["servers"]
+    servers = {label: server for run in runs for label, server in run["servers"].items()}
     started = "; ".join(f"{_SERVER_NAMES.get(label, label)}: `{server.get('flags') or server.get('command')}`"
                         + (f" ({', '.join(f'{k} {v}' for k, v in server['packages'].items())})" if server.get("packages") else "")
                         + (f" ({server['version']})" if server.get("version") else "")
@@ -134,5 +134,6 @@ def _real_model_how(runs: list[dict], folder: Path) -> str:
             "is the first streamed token. `short answers` are answers that ended before `max_tokens`: on `chat` every server "
             "stops at the model's end of turn, on `default` the peers are sent `ignore_eos`; `reconnects`, requests sent again "
             "on a new connection after the server had closed a kept-alive one. All on OpenAI's routes "
-            f"(`/v1/completions`, `/v1/chat/completions` for `chat`). Reproduce: {commands}. Servers: {started}. "
+            "(`/v1/completions`, `/v1/chat/completions` for `chat`) but the `/v1/inference` rows: chapter 8's own route, "
+            f"the same prompts, in the same server start as its row above. Reproduce: {commands}. Servers: {started}. "
             f"How they ran: {settings}. Commits: {commits}.")

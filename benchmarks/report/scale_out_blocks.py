@@ -43,7 +43,7 @@ def drill_block(directory: Path) -> str:
         lines.append(f"| {how} | {ledger['requests']} | {ledger['ok']} | {ledger['replayed']} | {ledger['contract_error']} "
                      f"| {ledger['broken']} | {ledger['in_flight_at_kill']} | {ledger['touched_outside_kill']} "
                      f"| {s(first.get('process_started_s'))} | {s(first.get('first_log_s'))} | {s(first.get('app_ready_s'))} "
-                     f"| {s(ledger['capacity_back_s'])} | {s(ledger.get('replacement_ready_s', ledger['capacity_back_s']))} "
+                     f"| {s(ledger['capacity_back_s'])} | {s(ledger['replacement_ready_s'])} "
                      f"| {_before_after(ledger)} |")
         commands.append(f"`{current_command(run['command'])}`")
     run = runs[0][2]
@@ -53,8 +53,9 @@ def drill_block(directory: Path) -> str:
 
 
 def _before_after(ledger: dict) -> str:
+    """Answers per second in the 5 s before and after the kill; ``—`` for a ledger without those counts."""
     if "answers_per_s_before" not in ledger:
-        return "—"  # recorded before the drill counted them
+        return "—"
     return f"{ledger['answers_per_s_before']:.1f} / {ledger['answers_per_s_after']:.1f}"
 
 
@@ -95,7 +96,7 @@ def replicas_block(directory: Path, name: str = "replicas-and-routers.json", aga
     for label, config in run["configs"].items():
         m = config["median"]
         ratio = f"{m['qps'] / base['qps']:.2f}×" if base.get("qps") else "—"
-        server = "; ".join(f"{group} {cores:.2f}" for group, cores in sorted(m.get("server_cores_busy", {}).items(), key=lambda kv: -kv[1]))
+        server = "; ".join(f"{group} {cores:.2f}" for group, cores in sorted(m["server_cores_busy"].items(), key=lambda kv: -kv[1]))
         lines.append(f"| {label} | {m['qps']:.1f} | {ratio} | {m['output_tokens_per_s']:,.0f} | {m['ttft_ms_p50']:,.0f} / "
                      f"{m['ttft_ms_p99']:,.0f} | {m['e2e_ms_p50']:,.0f} / {m['e2e_ms_p99']:,.0f} "
                      f"| client {m['client_cores_busy']:.2f}; {server or '—'} |")
@@ -124,7 +125,7 @@ def answer_costs(run: dict) -> list[dict]:
     out, alone = [], {}  # alone: "runs of N" (or "": every token a write) -> chapter 8 alone's total
     for label, config in run["configs"].items():
         m = config["median"]
-        per_answer = {group: 1000 * cores / m["qps"] for group, cores in m.get("server_cores_busy", {}).items()}
+        per_answer = {group: 1000 * cores / m["qps"] for group, cores in m["server_cores_busy"].items()}
         runs = match[0] if (match := re.search(r"runs of \d+", label)) else ""
         total = sum(per_answer.values())
         if label.startswith("chapter 8 alone"):

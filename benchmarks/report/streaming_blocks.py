@@ -31,7 +31,7 @@ def streaming_block(directory: Path) -> str:
     for path in files:
         run = json.loads(path.read_text())
         commands.append(f"`{current_command(run['command'])}`")
-        settings.add(describe_harness(run.get("harness")) + (f", every server with `{run['server_args']}`" if run.get("server_args") else ""))
+        settings.add(describe_harness(run["harness"]) + (f", every server with `{run['server_args']}`" if run["server_args"] else ""))
         for chapter, figures in run["chapters"].items():
             errors = sum(figures["errors"].values())
             lines.append(
@@ -83,8 +83,8 @@ def prefix_caching_block(directory: Path) -> str:
     for workload in order:
         run = json.loads(found[workload].read_text())
         commands.append(f"`{current_command(run['command'])}`")
-        settings.add(describe_harness(run.get("harness")) + (f", every server with `{run['server_args']}`" if run.get("server_args") else ""))
-        rounds = run.get("rounds", 1)
+        settings.add(describe_harness(run["harness"]) + (f", every server with `{run['server_args']}`" if run["server_args"] else ""))
+        rounds = run["rounds"]
         how = f"median-QPS round of {rounds}" if rounds > 1 else "one round"
         lines = [f"**`{run['workload']}`**, {run['users']} streaming users for {run['duration_s']:g} s, {how}:", "",
                  "| prefix caching | QPS | TTFT P50 / P99 (ms) | TPOT P50 (ms) | errors | prompt tokens found cached |",
@@ -127,7 +127,7 @@ def side_by_side_block(directory: Path, folder: str = "side-by-side") -> str:
         ". Both servers at their defaults (chapter 5's engine by its rule, chapter 8's attention by its rule). " + streamed))
     variants: dict[str, str] = {}  # label -> flags, of any --variant the same rounds also ran
     for path in sorted((directory / "ch08" / folder).glob("*.json")):
-        variants.update({label: v["flags"] for label, v in json.loads(path.read_text()).get("variants", {}).items()
+        variants.update({label: v["flags"] for label, v in json.loads(path.read_text())["variants"].items()
                          if label not in ("ch06", "ch08")})
     for label, flags in sorted(variants.items()):
         table = chapter_pair_block(directory / "ch08" / folder, "ch06", label, "").split("\n\nReproduce")[0]
@@ -151,10 +151,10 @@ def stream_interval_block(directory: Path) -> str:
                 f"ch08-interval4=ch08:--stream-interval=4 ... --out {repo_path(folder)}/NAME.json`.*")
 
     def interval(run: dict, label: str) -> str:
-        variant = run["variants"].get(label, {})
-        if variant.get("chapter", label) != "ch08":
+        variant = run["variants"][label]
+        if variant["chapter"] != "ch08":
             return "— (whole answers)"
-        found = re.search(r"--stream-interval[= ](\d+)", variant.get("flags", ""))
+        found = re.search(r"--stream-interval[= ](\d+)", variant["flags"])
         return found.group(1) if found else "1"
 
     lines = ["| workload | users | rounds | server | stream interval | QPS | / ch06 | P99 (ms) | / ch06 P99 | TTFT P99 (ms) "
@@ -169,8 +169,8 @@ def stream_interval_block(directory: Path) -> str:
         for label in labels:
             qps, p99 = median(label, lambda f: f["qps"]), median(label, lambda f: f["e2e_ms"]["p99"])
             ttft = median(label, lambda f: f["ttft_ms"]["p99"])
-            itl50 = median(label, lambda f: (f.get("itl_ms") or {}).get("p50"))
-            itl99 = median(label, lambda f: (f.get("itl_ms") or {}).get("p99"))
+            itl50 = median(label, lambda f: (f["itl_ms"] or {}).get("p50"))  # None: whole answers
+            itl99 = median(label, lambda f: (f["itl_ms"] or {}).get("p99"))
             itl = "—" if itl50 is None else f"{itl50:,.0f} / {itl99:,.0f}"
             errors = sum(sum(run["chapters"][label]["errors"].values()) for run in runs)
             lines.append(f"| {workload} | {users} | {len(runs)} | {label} | {interval(runs[0], label)} | {qps:.1f} "
@@ -238,7 +238,7 @@ def ch08_targets_block(directory: Path) -> str:
         value = figure(runs, pick)
         commits = ", ".join(sorted({f"`{run['harness']['git_commit'][:7]}`" for run in runs}))
         machines.setdefault(folder, set()).update(
-            f"{run['harness'].get('cpu') or 'a CPU its files do not name'} (chapter 6 "
+            f"{run['harness']['cpu']} (chapter 6 "
             f"{run['chapters']['ch06']['engine']['precision']}, chapter 8 {run['chapters']['ch08']['engine']['precision']})"
             for run in runs)
         sign = ">=" if sense == "min" else "<="
@@ -312,9 +312,9 @@ def _vllm_peer_target_rows(directory: Path) -> list[str]:
             value = ours["qps"] / peer["qps"]
             each = " / ".join(f"{a['qps'] / b['qps']:.2f}×" for a, b in zip(ours.get("rounds") or [ours], peer.get("rounds") or [peer], strict=False))
             how = "streamed" if run["answers"] == "stream" else "whole answers"
-            cpu = run["harness"].get("cpu") or "a CPU the file does not name"
+            cpu = run["harness"]["cpu"]
             rows.append(f"| chapter 8's QPS over vLLM's CPU backend's | {run['workload']} | {run['users']} | `{folder.name}/` ({how}; {cpu}) "
-                        f"| `{(run['harness'].get('git_commit') or '')[:7]}` | {run['rounds']} | {value:.2f}× | {each} | >= {bound:.2f}× "
+                        f"| `{(run['harness']['git_commit'] or '')[:7]}` | {run['rounds']} | {value:.2f}× | {each} | >= {bound:.2f}× "
                         f"| {'yes' if value >= bound else '**no**'} |")
     return rows or ["| chapter 8's QPS over vLLM's CPU backend's | default, mixed, shared-prefix | 64 | `vllm-peer/` | — | 0 "
                     "| not measured: `python -m benchmarks.studies.vllm_peer.peer compare` | — | — | — |"]
@@ -342,7 +342,7 @@ def _real_model_peer_target_rows(directory: Path) -> list[str]:
             each = " / ".join(f"{a['qps'] / b['qps']:.2f}×" for a, b in zip(ours.get("rounds") or [ours], peer.get("rounds") or [peer], strict=False))
             how = "streamed" if run["answers"] == "stream" else "whole answers"
             rows.append(f"| chapter 8's QPS over {name}, SmolLM2 | {run['workload']} | {run['users']} | `{folder.name}/` ({how}; "
-                        f"{run['harness'].get('cpu') or 'a CPU the file does not name'}) | `{(run['harness'].get('git_commit') or '')[:7]}` "
+                        f"{run['harness']['cpu']}) | `{(run['harness']['git_commit'] or '')[:7]}` "
                         f"| {run['rounds']} | {value:.2f}× | {each} | >= {bound:.2f}× | {'yes' if value >= bound else '**no**'} |")
     return rows
 
@@ -369,7 +369,7 @@ def _prefix_caching_target_rows(directory: Path) -> list[str]:
         each = " / ".join(f"{a['ttft_ms']['p50'] / b['ttft_ms']['p50']:.2f}×"
                           for a, b in zip(on.get("rounds") or [on], off.get("rounds") or [off], strict=False))
         rows.append(f"| {what} | shared-prefix | {run['users']} | `{PREFIX_CACHING_DIR.removeprefix('ch08/')}/` (streamed) "
-                    f"| `{(run['harness'].get('git_commit') or '')[:7]}` | {run['rounds']} | {value:.2f}× | {each} "
+                    f"| `{(run['harness']['git_commit'] or '')[:7]}` | {run['rounds']} | {value:.2f}× | {each} "
                     f"| <= {PREFIX_CACHING_TTFT_TARGET:.2f}× | {'yes' if value <= PREFIX_CACHING_TTFT_TARGET else '**no**'} |")
     return rows
 
@@ -425,5 +425,5 @@ def _reproduce(rounds: list[dict]) -> tuple[str, str]:
     from benchmarks.harness.streaming import describe_harness
 
     commands = sorted({f"`{current_command(run['command'])}`" for run in rounds})
-    settings = sorted({describe_harness(run.get("harness")) for run in rounds})
+    settings = sorted({describe_harness(run["harness"]) for run in rounds})
     return "; ".join(commands), "; ".join(settings)

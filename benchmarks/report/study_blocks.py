@@ -27,7 +27,11 @@ def kv_share_block(directory: Path) -> str:
 
 
 def packed_step_profile_block(directory: Path) -> str:
-    """Chapter 8's step in-process, from ``benchmarks.studies.ch08_step_profile.profile_ch08`` outputs (``<dir>/ch08/profile-*.txt``)."""
+    """Chapter 8's step in-process, from ``benchmarks.studies.ch08_step_profile.profile_ch08`` outputs (``<dir>/ch08/profile-*.txt``).
+
+    A profile's first line names its attention, engine, KV cache, workload and block size; a file without
+    that line (``profile-before.txt``) is a cProfile run whose only figure is its rate. The CPU cell reads
+    ``not recorded`` for a profile without a ``CPU:`` line."""
     files = sorted((directory / "ch08").glob("profile-*.txt")) if (directory / "ch08").exists() else []
     if not files:
         return f"*No profile yet: `python -m benchmarks.studies.ch08_step_profile.profile_ch08 > {repo_path(directory)}/ch08/profile-LABEL.txt`.*"
@@ -37,20 +41,16 @@ def packed_step_profile_block(directory: Path) -> str:
     for path in files:
         text = path.read_text()
         rate = re.search(r"= ([\d.]+) req/s(.*)", text)
-        head = re.search(r"attention (\S+), engine (\S+), (?:KV cache (\S+), )?workload (\S+),", text)
+        head = re.search(r"attention (\S+), engine (\S+), KV cache (\S+), workload (\S+), blocks of (\d+),", text.splitlines()[0])
         step = re.search(r"median step ([\d.]+) ms: .*model [\d.]+ ms \((\d+)%\)", text)
         overhead = re.search(r"schedule \+ prepare \+ update = ([\d.]+%)", text)
         cpu = re.search(r"^CPU: (.*)$", text, re.MULTILINE)
-        cpu_cell = cpu.group(1) if cpu else "not recorded"  # files from before the line was written
-        if head is None:  # the profile of the commit before the packed step: cProfile's figure only
+        cpu_cell = cpu.group(1) if cpu else "not recorded"
+        if head is None:  # cProfile's figure only
             lines.append(f"| `{path.name}` | (before: two or more padded calls a step) | eager/fp32 | float32 | 16 | default "
                          f"| {rate.group(1)}{' (under cProfile)' if 'cProfile' in rate.group(2) else ''} | — | — | — | {cpu_cell} |")
             continue
-        # profiles from before the KV cache had its own dtype kept it in the engine's activation dtype, fp32
-        kv_cache = head.group(3) or "float32"
-        # profiles from before the first line named the block size ran chapter 4's default, 16 tokens
-        block = re.search(r"blocks of (\d+),", text.splitlines()[0])
-        lines.append(f"| `{path.name}` | {head.group(1)} | {head.group(2)} | {kv_cache} | {block.group(1) if block else 16} "
+        lines.append(f"| `{path.name}` | {head.group(1)} | {head.group(2)} | {head.group(3)} | {head.group(5)} "
                      f"| {head.group(4)} | {rate.group(1)} "
                      f"| {step.group(1)} | {step.group(2)} % | {overhead.group(1)} | {cpu_cell} |")
     return "\n".join(lines) + (
@@ -64,7 +64,7 @@ def packed_step_profile_block(directory: Path) -> str:
 def event_loop_block(folder: Path) -> str:
     """Chapter 8's event loop beside its step thread, per source tree, from the ``.json`` files of the
     study's folder (``benchmarks/studies/event_loop/``, ``thread_share.py`` there): the median of the
-    rounds per tree."""
+    rounds per tree. The loop's share spent in the kernel reads ``—`` for a run that did not split it."""
     files = sorted(folder.glob("*.json")) if folder.exists() else []
     if not files:
         return f"*No rounds yet: `python {repo_path(folder)}/thread_share.py --trees BASE . --out {repo_path(folder)}/NAME.json`.*"
@@ -76,9 +76,9 @@ def event_loop_block(folder: Path) -> str:
         run = json.loads(path.read_text())
         for tree in run["trees"]:
             median = tree["median"]
-            answers = "streamed" if tree.get("streamed", run["streamed"]) else "whole"  # per tree where a run measured both
-            flags = f" `{tree['server_args']}`" if tree.get("server_args") else ""
-            kernel = median.get("event_loop_kernel_share")  # older runs did not split it
+            answers = "streamed" if tree["streamed"] else "whole"
+            flags = f" `{tree['server_args']}`" if tree["server_args"] else ""
+            kernel = median.get("event_loop_kernel_share")
             lines.append(f"| {run['workload']} | {answers} | {run['users']} | {run['rounds']} | {tree['label']} (`{tree['commit']}`){flags} "
                          f"| {median['qps']:.1f} | {median['p99_ms']:,.0f} | {median['event_loop_share']:.1%} "
                          f"| {'—' if kernel is None else f'{kernel:.1%}'} | {median['event_loop_ms_per_request']:.2f} |")
@@ -130,7 +130,7 @@ def live_page_cost_block(directory: Path, chapter: str) -> str:
     return ("\n".join(lines) + f"\n\nMedians over the rounds: throughput **{run['median_ratio']:.3f}×**, the server's CPU time "
             f"per answered request **{run['median_cpu_per_request_ratio']:.3f}×** ({run['users']} users, "
             f"`{run['workload']}` workload, {run['duration_s']:.0f} s per run, {run['viewers']} viewer(s) reading every event; "
-            f"{describe_harness(run.get('harness'))}). Reproduce: `{current_command(run['command'])}`." + _event_cost_sentence(directory / chapter))
+            f"{describe_harness(run['harness'])}). Reproduce: `{current_command(run['command'])}`." + _event_cost_sentence(directory / chapter))
 
 
 def _event_cost_sentence(folder: Path) -> str:
@@ -149,7 +149,8 @@ def _event_cost_sentence(folder: Path) -> str:
 def decode_attention_block(directory: Path, folder: str = "") -> str:
     """One layer's decode attention, every candidate side by side (``benchmarks.studies.decode_attention.decode_attention``,
     ``<dir>/ch08/decode-attention-<workload>.json``, or every JSON file of ``<dir>/ch08/<folder>/``: another
-    machine's), and the rest of the step eager against compiled."""
+    machine's), and the rest of the step eager against compiled (where the run measured it: ``step_without_attention``
+    not ``None``)."""
     where = directory / "ch08" / folder
     files = sorted(where.glob("*.json" if folder else "decode-attention-*.json")) if where.exists() else []
     if not files:
@@ -171,19 +172,16 @@ def decode_attention_block(directory: Path, folder: str = "") -> str:
         "divided by that time in brackets; `dense cache` reads its padding too).")
     for run in runs:
         part = run["attention"]
-        dense, flex = part["per_layer"].get("dense cache"), part["per_layer"].get("flex kernel")
-        if dense and flex and part.get("dense_cache_bytes_mb"):
-            rate = part["dense_cache_bytes_mb"] / dense["min_ms"]  # MB per ms = GB/s
-            at_rate = part["bytes_read_mb"] / rate
-            text += (f"\n\n`{run['workload']}`, blocks of {part['block_tokens']}: SDPA reads the contiguous cache, padding "
-                     f"included ({part['dense_cache_bytes_mb']:.1f} MB), at {rate:.1f} GB/s; at that rate the step's own "
-                     f"{part['bytes_read_mb']:.1f} MB would take {at_rate:.2f} ms, against {flex['min_ms']:.2f} ms for "
-                     f"`flex kernel`: at most **{flex['min_ms'] / at_rate:.1f}×** to gain on this layer's decode attention.")
-            own = part["per_layer"].get("kernel call")
-            if own:
-                text += (f" This chapter's own kernel, its writes of the step's keys and values included, took "
-                         f"{own['min_ms']:.2f} ms: **{flex['min_ms'] / own['min_ms']:.1f}×** faster than `flex kernel`.")
-    steps = [(run["workload"], run["step_without_attention"]) for run in runs if run.get("step_without_attention")]
+        dense, flex, own = (part["per_layer"][name] for name in ("dense cache", "flex kernel", "kernel call"))
+        rate = part["dense_cache_bytes_mb"] / dense["min_ms"]  # MB per ms = GB/s
+        at_rate = part["bytes_read_mb"] / rate
+        text += (f"\n\n`{run['workload']}`, blocks of {part['block_tokens']}: SDPA reads the contiguous cache, padding "
+                 f"included ({part['dense_cache_bytes_mb']:.1f} MB), at {rate:.1f} GB/s; at that rate the step's own "
+                 f"{part['bytes_read_mb']:.1f} MB would take {at_rate:.2f} ms, against {flex['min_ms']:.2f} ms for "
+                 f"`flex kernel`: at most **{flex['min_ms'] / at_rate:.1f}×** to gain on this layer's decode attention."
+                 f" This chapter's own kernel, its writes of the step's keys and values included, took "
+                 f"{own['min_ms']:.2f} ms: **{flex['min_ms'] / own['min_ms']:.1f}×** faster than `flex kernel`.")
+    steps = [(run["workload"], run["step_without_attention"]) for run in runs if run["step_without_attention"] is not None]
     if steps:
         rows = ["| workload | tokens | eager (ms) | compiled (ms) | compiled / eager |", "|---|---|---|---|---|"]
         for workload, part in steps:

@@ -204,9 +204,8 @@ def representative(results: Mapping[str, BenchmarkResult]) -> BenchmarkResult:
 
 
 def loadgen_workers_of(result: BenchmarkResult | OpenLoopResult) -> int:
-    """The Locust workers of a result's load generator; 0: one process (so are files from before it was recorded)."""
-    generator = result.config.load_generator
-    return generator.workers if generator is not None else 0
+    """The Locust workers of a result's load generator; 0: one process."""
+    return result.config.load_generator.workers
 
 
 def loadgen_cores_of(result: BenchmarkResult) -> int:
@@ -228,7 +227,7 @@ def environment_line(results: Mapping[str, BenchmarkResult]) -> str:
     pinning = (
         f"server on cores {env.server_cores}, Locust on {env.loadgen_cores}" if env.pinning else "no core pinning"
     )
-    if loadgen_workers_of(first):  # one process, the default, goes unsaid: the sentence stays as it always was
+    if loadgen_workers_of(first):  # one process, the default, goes unsaid
         pinning += f"; {describe_load_generator(loadgen_workers_of(first))}"
     commit = (env.git_commit or "unknown")[:10] + (" (dirty)" if env.git_dirty else "")
     return (
@@ -313,7 +312,7 @@ def load_ceilings(directory: Path) -> dict[str, BenchmarkResult]:
 
 
 def ceiling_line(directory: Path) -> str:
-    """The ceilings measured, each with how Locust ran; the one-process sentence is the one it always was."""
+    """The ceilings measured, each with how Locust ran (one process: no word on workers)."""
     sentences = []
     for ceiling in load_ceilings(directory).values():
         top = ceiling.saturation()

@@ -1,10 +1,4 @@
-"""The HTTP face of chapter 1: Flask routes, the contract's JSON errors, request ids.
-
-It has the same shape as chapter 2's ``api.py`` (FastAPI), so ``make diff FROM=ch01 TO=ch02``
-shows the move from a synchronous WSGI framework to an asynchronous ASGI one line by line. Here
-every handler is a plain function: the worker thread that runs it is blocked from the moment it
-starts reading the body until the last byte of the response is written.
-"""
+"""The HTTP face of chapter 1: Flask routes, the contract's JSON errors, request ids; each handler blocks its worker thread."""
 
 from __future__ import annotations
 
@@ -40,12 +34,9 @@ def _request_id() -> str:
 
 
 def _read_body() -> bytes:
-    """The whole body; 413 (Werkzeug's ``RequestEntityTooLarge``) once it passes ``MAX_CONTENT_LENGTH``.
+    """The whole body; raises ``RequestEntityTooLarge`` (413) past ``MAX_CONTENT_LENGTH`` (a chunked body: at the limit too).
 
-    Werkzeug refuses a declared ``Content-Length`` over the limit before reading anything. A chunked
-    body has no declared length: Werkzeug stops it at the limit and raises only on the next read, so
-    read until the stream ends (a single ``read()`` would return the first bytes, cut silently). A
-    chunked body of exactly the limit is refused as well: it cannot be told from a longer one.
+    Reads to the stream's end: on a chunked body Werkzeug raises only on the read after the limit (one ``read()`` would cut it).
     """
     chunks = []
     while chunk := request.stream.read(64 * 1024):
@@ -65,26 +56,20 @@ def create_app(
     generate: Generate,
     health: Callable[[], dict] = lambda: {},
 ) -> Flask:
-    """The contract's routes around ``generate``; ``health`` adds fields to ``/healthz``.
-
-    Every response, errors included, carries the request id in the ``X-Request-ID`` header.
-    """
+    """The contract's routes around ``generate``; ``health`` adds fields to ``/healthz``; every response has ``X-Request-ID``."""
     app = Flask(title)
-    # Werkzeug enforces the body limit (see _read_body); the handler below turns its 413 into the
-    # contract's JSON error.
+    # Werkzeug enforces the body limit (see _read_body); _too_large turns its 413 into the contract's JSON error.
     app.config["MAX_CONTENT_LENGTH"] = limits.max_body_bytes
 
     @app.errorhandler(ApiError)
     def _api_error(exc: ApiError) -> ResponseReturnValue:
         # EXERCISE ch01.2 BEGIN "the contract's JSON errors: one handler per kind of failure"
         return _error_response(exc.status, exc.type, exc.message, exc.headers)
-        # EXERCISE ch01.2 END
 
     @app.errorhandler(RequestEntityTooLarge)
     def _too_large(exc: RequestEntityTooLarge) -> ResponseReturnValue:
         # EXERCISE ch01.2 BEGIN "the contract's JSON errors: one handler per kind of failure"
         return _error_response(413, "body_too_large", f"request body exceeds the limit of {limits.max_body_bytes} bytes")
-        # EXERCISE ch01.2 END
 
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException) -> ResponseReturnValue:
@@ -92,14 +77,12 @@ def create_app(
         # Keep what the status needs (Allow on a 405) but not Werkzeug's HTML content type.
         headers = {k: v for k, v in exc.get_headers() if k.lower() != "content-type"}
         return _error_response(exc.code or 500, STATUS_ERROR_TYPES.get(exc.code, "http_error"), exc.description or exc.name, headers)
-        # EXERCISE ch01.2 END
 
     @app.errorhandler(Exception)
     def _unexpected(exc: Exception) -> ResponseReturnValue:
         # EXERCISE ch01.2 BEGIN "the contract's JSON errors: one handler per kind of failure"
         app.logger.exception("request %s failed", _request_id())
         return _error_response(500, "internal_error", f"{type(exc).__name__}: {exc}")
-        # EXERCISE ch01.2 END
 
     @app.after_request
     def _tag_with_request_id(response):  # runs for error responses too
@@ -112,10 +95,7 @@ def create_app(
 
     @app.post("/v1/inference")
     def inference() -> ResponseReturnValue:
-        """Read and check the body, generate, answer with ``timings_ms``: parse, the backend's stages, total.
-
-        Times come from ``time.perf_counter`` and are reported in milliseconds.
-        """
+        """Read and check the body, generate, answer with ``timings_ms`` (ms): parse, the backend's stages, total."""
         # EXERCISE ch01.1 BEGIN "the request's life: parse, generate, answer, with its stage timings"
         started = time.perf_counter()
         request_id = _request_id()
@@ -126,6 +106,5 @@ def create_app(
         timings = {"parse": (parsed - started) * 1e3, **stage_ms, "total": (time.perf_counter() - started) * 1e3}
         response = build_response(request_id, len(valid.input_ids), output_ids, tokenizer, timings)
         return jsonify(response.model_dump())
-        # EXERCISE ch01.1 END
 
     return app

@@ -1,16 +1,4 @@
-"""Chapter 1: a synchronous Flask app on gunicorn. One request at a time per worker process.
-
-A request's life here: the kernel accepts the TCP connection into the listen backlog; a gunicorn
-worker takes it when it is free, parses HTTP and calls Flask; the handler checks the body, runs the
-whole generation, writes the response and closes the connection; only then does the worker take
-the next connection. While the model computes, nobody accepts, parses or answers anything else:
-every other client waits in the kernel's backlog, invisible to the server and to its timings.
-
-The configuration is spelled out in :func:`gunicorn_options`, each knob with why it is set so.
-Gunicorn is started from Python through its documented custom-application pattern
-(``gunicorn.app.base.BaseApplication``), so ``python -m chapters.ch01_flask_sync --port N`` starts
-it like every other chapter, with typed flags and no separate config file.
-"""
+"""Chapter 1: a synchronous Flask app on gunicorn (run from Python), one request at a time per worker process."""
 
 from __future__ import annotations
 
@@ -42,18 +30,11 @@ class FlaskSyncSettings(ServerSettings):
 
 
 def torch_threads_per_worker(settings: FlaskSyncSettings) -> int:
-    """Intra-op threads for each worker's model (0: torch's default, every core).
-
-    With several workers and torch's default, each worker would spread every matrix product over
-    every core, and N workers would fight over the same cores. Unless told otherwise, split them:
-    an explicit ``--torch-threads`` wins; one worker keeps torch's default (0); N workers get
-    ``os.cpu_count() // N`` each, at least 1.
-    """
+    """Intra-op threads per worker (0: torch's): ``--torch-threads`` if set, 0 for 1 worker, else cores // workers, >= 1."""
     # EXERCISE ch01.3 BEGIN "split the cores between the workers"
     if settings.torch_threads or settings.workers == 1:
         return settings.torch_threads
     return max(1, (os.cpu_count() or 1) // settings.workers)
-    # EXERCISE ch01.3 END
 
 
 def build_app(settings: FlaskSyncSettings) -> Flask:
@@ -61,9 +42,7 @@ def build_app(settings: FlaskSyncSettings) -> Flask:
     set_threads(or_meanwhile(lambda: torch_threads_per_worker(settings), lambda: settings.torch_threads,
                              "each worker keeps torch's default threads"))
     loaded = load_served_model(settings)
-    # With the sync worker there is one thread and the lock is never contended. With --threads > 1
-    # (gthread) it is what keeps those threads from running the model at the same time: they would
-    # only compete for the same cores (and on a GPU for the same stream) and all finish later.
+    # Uncontended with the sync worker; with --threads > 1 (gthread) it keeps the threads from running the model at once.
     model_lock = threading.Lock()
 
     def generate(request: ValidRequest) -> tuple[list[int], dict[str, float]]:
@@ -72,8 +51,7 @@ def build_app(settings: FlaskSyncSettings) -> Flask:
             started = time.perf_counter()
             output_ids = greedy_generate(loaded.model, request.input_ids, request.max_new_tokens)
         finished = time.perf_counter()
-        # "queue" only sees the wait for the lock (other threads of this worker). The wait in the
-        # kernel's listen backlog happens before the request exists for us: only the client sees it.
+        # "queue" is the wait for the lock only; the wait in the kernel's listen backlog is visible to the client alone.
         return output_ids, {"queue": (started - waiting_since) * 1e3, "inference": (finished - started) * 1e3}
 
     return create_app(
@@ -89,26 +67,15 @@ def gunicorn_options(settings: FlaskSyncSettings) -> dict[str, object]:
     """Every gunicorn setting this chapter depends on, explicitly."""
     return {
         "bind": f"{settings.host}:{settings.port}",
-        # One worker process holding one model, as one would run one per GPU. More workers answer
-        # more requests at once, but each loads its own copy of the model (memory) and they share
-        # the same cores (contention): the lesson's workers comparison measures both.
         "workers": settings.workers,
-        # sync: one thread per worker, one connection at a time, no keep-alive. gthread: a pool of
-        # threads per worker that accept concurrently, but here they queue on the model lock.
+        # sync: one connection at a time, no keep-alive; gthread: threads accept concurrently, then queue on the model lock.
         "worker_class": "gthread" if settings.threads > 1 else "sync",
         "threads": settings.threads,
-        # A sync worker reports to the master only between requests, so a single generation longer
-        # than this gets the worker killed (and its model reloaded): keep it above the slowest one.
+        # A sync worker reports to the master only between requests: a generation longer than this gets it killed.
         "timeout": settings.timeout,
-        # After SIGTERM the master stops accepting, lets workers finish what they hold for this
-        # long, then kills them.
         "graceful_timeout": settings.graceful_timeout,
-        # Where clients wait while every worker is busy: at 50 concurrent clients, 49 sit here.
         "backlog": settings.backlog,
-        # Load the model in each worker after the fork, never in the master before it. Forking a
-        # process whose torch already ran an operation copies a thread pool (OpenMP, CUDA context)
-        # without its threads, and the child can hang or crash on its first operation. The master
-        # imports torch but never runs it.
+        # Load the model after the fork: a child forked from a process whose torch already ran can hang on its first operation.
         "preload_app": False,
         "loglevel": settings.log_level,
         "accesslog": None,  # one log line per request would cost time in the measured path
@@ -125,13 +92,11 @@ class GunicornServer(BaseApplication):
     def load_config(self) -> None:
         for name, value in gunicorn_options(self.settings).items():
             self.cfg.set(name, value)
-        # Gunicorn >= 25.1 opens a control socket at a fixed path in $HOME by default; two servers
-        # on one machine (tests, the harness) would fight over it. Older versions have no such knob.
+        # Gunicorn >= 25.1 opens a control socket at a fixed path in $HOME: two servers on one machine would share it.
         if "control_socket_disable" in self.cfg.settings:
             self.cfg.set("control_socket_disable", True)
 
     def load(self) -> Flask:
-        # Called in each worker after the fork (preload_app is off), so each worker owns its model.
         return build_app(self.settings)
 
 
@@ -140,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(FlaskSyncSettings, argv, prog=prog)
     with refused_flags_exit(prog):  # weights the workers could not load: one line, exit 2, before any fork
         check_weights(settings)
-    # The master handles SIGTERM itself: stop accepting, let workers finish, exit 0.
+    # The master handles SIGTERM: stop accepting, let workers finish for graceful_timeout, exit 0.
     GunicornServer(settings).run()
 
 

@@ -1,14 +1,7 @@
-"""The HTTP face every async chapter shares: routes, the contract's errors, request ids, and the backend it serves.
+"""The HTTP face every async chapter shares: routes, the contract's errors, request ids, and the :class:`Backend` it serves.
 
-The HTTP layer knows one thing about inference: a :class:`Backend`. Chapter 2's backend hands each
-request to one inference thread; chapter 3's to a batcher; later chapters compose theirs from a
-pool, admission control, an engine, and chapter 7 wraps any of them in a production shell. Each
-chapter's ``server.py`` composes its backend from parts named in its imports and passes it to
-:func:`create_app`: ``server.py`` shows what a chapter runs, the imported modules how each part works.
-
-Streaming is an optional capability: a :class:`StreamingBackend` can hand out each token as it is
-made, and a server that is given a :data:`StreamWriter` for it (chapter 8's server-sent events)
-accepts ``"stream": true`` on ``/v1/inference``. Without one, ``stream`` is an unknown field (422).
+Streaming is optional: given a :data:`StreamWriter` for a :class:`StreamingBackend`, ``/v1/inference`` accepts
+``"stream": true``; without one, ``stream`` is an unknown field (422).
 """
 
 from __future__ import annotations
@@ -55,30 +48,23 @@ DisconnectCheck = Callable[[], Awaitable[bool]]
 class Backend(Protocol):
     """What serves inference behind the HTTP layer.
 
-    ``start`` runs inside the server's event loop before the first request, ``close`` after the last
-    one (it finishes what was accepted). ``generate`` computes one checked request; it may raise
-    :class:`~shared.schemas.ApiError` (429, 499, 500, 503, ...), which becomes that status.
-    ``health`` adds fields to ``/healthz``; ``stats`` is ``/stats`` (counters and figures as JSON).
+    ``start`` runs in the server's event loop before the first request, ``close`` after the last (it finishes what was accepted).
+    ``generate`` computes one checked request and may raise :class:`~shared.schemas.ApiError` (429, 499, 500, 503, ...), which
+    becomes that status. ``health`` adds fields to ``/healthz``; ``stats`` is ``/stats`` (JSON).
     """
 
     async def start(self) -> None: ...
-
     async def generate(self, request: ValidRequest, is_disconnected: DisconnectCheck) -> Generated: ...
-
     def health(self) -> dict: ...
-
     def stats(self) -> dict: ...
-
     async def close(self) -> None: ...
 
 
 class StreamingBackend(Backend, Protocol):
     """A backend that can also hand out a request's tokens as they are made.
 
-    ``open_stream`` admits the request at once, raising :class:`~shared.schemas.ApiError` as
-    ``generate`` would (so a refusal is still a JSON answer with its status), and returns the
-    request's tokens one by one, then one :class:`Generated`. Closing the iterator early aborts the
-    request and frees what it held.
+    ``open_stream`` admits the request at once, raising :class:`~shared.schemas.ApiError` as ``generate`` would, and returns
+    its tokens one by one, then one :class:`Generated`. Closing the iterator early aborts the request and frees what it held.
     """
 
     async def open_stream(self, request: ValidRequest) -> AsyncIterator[int | Generated]: ...
@@ -101,11 +87,7 @@ StreamWriter = Callable[[AsyncIterator[int | Generated], StreamedRequest], Respo
 
 @dataclass(frozen=True)
 class RequestContract:
-    """What ``/v1/inference`` accepts: the body's schema (for the OpenAPI document) and the function that checks a body.
-
-    Every chapter serves the contract's own (:data:`INFERENCE_CONTRACT`); a backend that can honour
-    more fields (chapter 8's sampling) is served with a contract whose schema extends it.
-    """
+    """What ``/v1/inference`` accepts: the body's schema (for the OpenAPI document) and the function that checks a body."""
 
     schema: type[InferenceRequest]
     parse: Callable[[bytes, ContractLimits, Tokenizer], ValidRequest]
@@ -115,11 +97,10 @@ INFERENCE_CONTRACT = RequestContract(InferenceRequest, parse_inference_request)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refusing early (413) when the declared or the streamed size passes ``limit``.
+    """The body; a body of exactly ``limit`` bytes is accepted.
 
-    Raises ``ApiError(413, "body_too_large", ...)`` without reading the stream when the
-    ``Content-Length`` header declares more than ``limit`` bytes, and otherwise as soon as the bytes
-    read so far pass ``limit`` (the rest is never read). A body of exactly ``limit`` bytes is accepted.
+    Raises ``ApiError(413, "body_too_large", ...)`` without reading when ``Content-Length`` declares more than ``limit``
+    bytes, else as soon as the bytes read so far pass ``limit`` (the rest is never read).
     """
     # EXERCISE ch02.3 BEGIN "the body limit: 413 on the declared size, or as soon as the stream passes it"
     declared = request.headers.get("content-length")
@@ -131,7 +112,6 @@ async def read_body(request: Request, limit: int) -> bytes:
         if len(body) > limit:
             raise ApiError(413, "body_too_large", f"request body exceeds the limit of {limit} bytes")
     return bytes(body)
-    # EXERCISE ch02.3 END
 
 
 def _request_id(request: Request) -> str:
@@ -145,8 +125,7 @@ def _error_response(request: Request, status: int, type_: str, message: str, hea
     return JSONResponse(error_body(type_, message), status_code=status, headers=headers)
 
 
-# What /v1/inference may answer besides 200, as the OpenAPI document declares it (every chapter
-# declares the whole contract; a chapter that never returns one of them simply never does).
+# What /v1/inference may answer besides 200, as the OpenAPI document declares it (the whole contract, in every chapter).
 ERROR_RESPONSES = {
     400: "the body is not JSON",
     413: "the body is larger than the server accepts",
@@ -168,11 +147,9 @@ _ERROR_SCHEMA = {
 
 
 def inference_openapi(streams: bool = False, schema: type[InferenceRequest] = InferenceRequest) -> dict:
-    """The request body and every response of ``/v1/inference`` for the OpenAPI document.
+    """The request body and every response of ``/v1/inference`` for the OpenAPI document; ``streams``: it takes ``"stream"``.
 
-    The endpoint reads its body by hand (to refuse an oversized one early, 413), so FastAPI cannot
-    infer it: without this, ``/docs`` could not try the endpoint and a schema-driven fuzzer would
-    send empty bodies. ``streams``: the body also takes ``"stream"``.
+    The endpoint reads its body by hand (to refuse an oversized one early), so FastAPI cannot infer its schema.
     """
     schema = schema.model_json_schema()
     if streams:
@@ -191,8 +168,7 @@ def inference_openapi(streams: bool = False, schema: type[InferenceRequest] = In
 
 
 def take_stream_flag(body: bytes) -> tuple[bytes, bool]:
-    """``body`` without its ``stream`` field, and that field; a body that is not a JSON object is left
-    for the contract's parser (400 or 422)."""
+    """``body`` without its ``stream`` field, and that field (422 unless a bool); a non-object body is left to the parser."""
     try:
         raw = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError):
@@ -209,9 +185,8 @@ def create_app(*, title: str, limits: ContractLimits, tokenizer: Tokenizer, back
                stream_writer: StreamWriter | None = None, contract: RequestContract = INFERENCE_CONTRACT) -> FastAPI:
     """The contract's routes around ``backend``; its ``start``/``close`` bracket the server's life.
 
-    With ``stream_writer`` (``backend`` must then be a :class:`StreamingBackend`), ``/v1/inference``
-    also accepts ``"stream": true`` and answers with what the writer makes of the backend's stream.
-    ``contract`` checks ``/v1/inference``'s body (the shared contract unless a chapter extends it).
+    With ``stream_writer`` (``backend`` must then be a :class:`StreamingBackend`; TypeError if not), ``/v1/inference`` also
+    accepts ``"stream": true`` and answers with what the writer makes of the stream. ``contract`` checks the body.
     """
     if stream_writer is not None and not hasattr(backend, "open_stream"):
         raise TypeError(f"{type(backend).__name__} does not stream (no open_stream), yet a stream writer was given")

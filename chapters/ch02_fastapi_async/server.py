@@ -1,16 +1,4 @@
-"""Chapter 2: FastAPI on uvicorn. The event loop keeps accepting while the model computes elsewhere.
-
-A request's life: uvicorn parses HTTP on the event loop, the endpoint checks the body, then hands
-the generation to ONE dedicated inference thread and awaits it. While that thread computes, the
-loop is free to accept, parse and answer other connections (health checks, errors, finished
-responses). What async cannot do is make the computation itself faster: with one model and one
-inference thread, requests still go through the model one at a time, now waiting in the thread's
-queue instead of in the kernel's listen backlog.
-
-Why one thread and not FastAPI's default pool: a plain ``def`` endpoint would run in a pool of 40
-threads, all calling the same model at once; they would fight over the same cores (each torch
-op spreading over every core) and finish later than one at a time.
-"""
+"""Chapter 2: FastAPI on uvicorn; one dedicated inference thread computes while the event loop keeps serving."""
 
 from __future__ import annotations
 
@@ -43,11 +31,9 @@ class OneThreadBackend:
         pass
 
     def _run(self, request: ValidRequest, submitted: float) -> Generated:
-        """Generate ``request`` (in the inference thread) and say where its time went since ``submitted``.
+        """Generate ``request`` in the inference thread; count it in ``served``.
 
-        ``timings_ms``: ``queue`` from ``submitted`` (a ``time.perf_counter()`` reading taken when the
-        request was handed to the thread) until the model starts on it, then ``inference`` until the
-        model is done, both in milliseconds. Counts the request in ``served``.
+        ``timings_ms``: ``queue`` from ``submitted`` (``perf_counter()`` at hand-off) to the model's start, then ``inference``.
         """
         # EXERCISE ch02.2 BEGIN "the stage timings: queue and inference, measured in the inference thread"
         started = time.perf_counter()
@@ -55,15 +41,12 @@ class OneThreadBackend:
         finished = time.perf_counter()
         self.served += 1
         return Generated(output_ids, {"queue": (started - submitted) * 1e3, "inference": (finished - started) * 1e3})
-        # EXERCISE ch02.2 END
 
     async def generate(self, request: ValidRequest, is_disconnected: DisconnectCheck) -> Generated:
-        """Run :meth:`_run` in the one inference thread and await it, so the event loop stays free
-        (other connections, ``/healthz``) while the model computes; requests take turns in that thread."""
+        """Run :meth:`_run` in the one inference thread and await it; the event loop stays free while the model computes."""
         # EXERCISE ch02.1 BEGIN "moving inference off the event loop: one inference thread, awaited"
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._thread, self._run, request, time.perf_counter())
-        # EXERCISE ch02.1 END
 
     def health(self) -> dict:
         return self.description

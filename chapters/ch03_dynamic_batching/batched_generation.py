@@ -1,31 +1,4 @@
-"""Greedy generation for a whole batch at once: left padding, an attention mask, real-token positions.
-
-Prompts of different lengths are padded ON THE LEFT to the longest one, so every row's last prompt
-token sits in the same column and each decode step appends one column for all rows at once:
-
-    row 0:  [pad pad  a   b   c ] -> next token
-    row 1:  [ d   e   f   g   h ] -> next token
-
-The attention mask (1 = real token, 0 = padding) keeps padding out of every attention, and the
-position ids count real tokens only (row 0's ``a`` is at position 0, not 2), so each row computes
-exactly what it would alone and returns the oracle's tokens.
-
-The prompt pass does not even compute the padding (:func:`prefill_by_length`): prompts of equal
-length run together unpadded, and their keys and values are stitched into one left-padded cache.
-:func:`prefill_padded`, the textbook pass over the padded batch, stays for comparison
-(``--prefill padded``): on the benchmark's mix of 16 to 128-token prompts it computes about twice
-the prompt tokens there are.
-
-The batch is driven by the step loop (:mod:`~chapters.ch03_dynamic_batching.step_loop`) with a
-request-level scheduler, :class:`StaticBatch`: the batch enters together and leaves together. A row
-that asked for fewer tokens stops being returned once it has them, but its slot keeps being computed
-(and padded columns keep being carried) until the longest row is done; requests that arrive
-meanwhile wait for the whole batch. Continuous batching (chapter 8) is a step-level
-scheduler on the same loop that lets rows leave and join at every step.
-
-``cache_factory(batch_size, max_seq_len) -> KVCache`` chooses where the batch's keys and values live
-(default: growing tensors); the cache is used only during the call.
-"""
+"""Greedy generation for a whole batch at once: left padding, an attention mask, positions that count real tokens only."""
 
 from __future__ import annotations
 
@@ -47,12 +20,8 @@ CacheFactory = Callable[[int, int], KVCache]
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-    """``(input_ids, attention_mask, position_ids)``, each (B, longest prompt), padded on the left.
-
-    Row ``i`` ends with prompt ``i``'s ids and starts with ``pad_id`` up to the longest prompt's
-    length; the mask is 1 on real tokens and 0 on padding; a row's real tokens are at positions
-    0, 1, 2, ... (padding gets position 0: it is masked). All three are ``torch.long`` on ``device``.
-    """
+    """``(input_ids, attention_mask, position_ids)``, each (B, longest prompt), ``torch.long`` on ``device``, padded on the left:
+    row ``i`` ends with prompt ``i``'s ids; the mask is 1 on real tokens, 0 on padding; real tokens at positions 0, 1, ..."""
     # EXERCISE ch03.3 BEGIN "left padding with position ids that count real tokens only"
     longest = max(len(p) for p in prompts)
     input_ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
@@ -63,7 +32,6 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
     # Real tokens count 0, 1, 2, ...; padding gets 0 (it is masked, any valid index would do).
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     return input_ids.to(device), attention_mask.to(device), position_ids.to(device)
-    # EXERCISE ch03.3 END
 
 
 def fits_in_context(prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], n_ctx: int) -> bool:
@@ -72,11 +40,7 @@ def fits_in_context(prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[i
 
 
 def split_to_fit(lengths_and_new: Sequence[tuple[int, int]], n_ctx: int) -> list[range]:
-    """Cut a batch, in order, into consecutive groups whose padded length fits ``n_ctx``.
-
-    Each request fits on its own (the API checked that), but a long prompt and a long answer from two
-    different requests may not fit side by side. With the benchmark's workload this never splits.
-    """
+    """Cut a batch, in order, into consecutive groups whose padded length fits ``n_ctx`` (each request fits on its own)."""
     groups: list[range] = []
     start, longest_prompt, most_new = 0, 0, 0
     for index, (prompt_len, new_tokens) in enumerate(lengths_and_new):
@@ -94,16 +58,9 @@ Prefill = Literal["by_length", "padded"]
 class StaticBatch:
     """Request-level scheduling for :mod:`~chapters.ch03_dynamic_batching.step_loop`: one batch, fixed at the start.
 
-    The first step is the prompt pass (``prefill``: :func:`prefill_by_length`, or :func:`prefill_padded`,
-    the textbook version that computes the padding too), which leaves one left-padded cache. Then one
-    decode step per new token runs for all rows at once, until the row that wants the most is done:
-    a finished row is still computed (its slot is part of the batch's tensors), no longer recorded.
-    The padded batch must fit the context (:func:`fits_in_context`; :func:`generate_batch` splits a
-    batch that does not).
-
-    :meth:`choose` turns a step's logits into the tokens fed back: greedy here; a subclass may force
-    tokens instead (teacher forcing, for measuring an engine's logits against another's).
-    """
+    A prompt pass (``prefill``: :func:`prefill_by_length` or :func:`prefill_padded`) leaves one left-padded cache, then one
+    decode step per token runs for all rows until the longest is done; a finished row is still computed, no longer recorded.
+    Raises ValueError unless the padded batch fits the context. :meth:`choose` picks the tokens fed back (greedy)."""
 
     def __init__(
         self,
@@ -201,10 +158,7 @@ def batched_greedy(
     cache_factory: CacheFactory | None = None,
     prefill: Prefill = "by_length",
 ) -> list[Generated]:
-    """Greedy continuations of every prompt, computed together: row ``i`` gets exactly ``max_new_tokens[i]`` ids.
-
-    :class:`StaticBatch` turned by the step loop until the longest row is done.
-    """
+    """Greedy continuations of every prompt, computed together: row ``i`` gets exactly ``max_new_tokens[i]`` ids, as alone."""
     longest = max((len(p) for p in prompts), default=0)
     # The last token generated is never fed back, so the cache holds the prompt plus steps - 1 positions.
     cache = (cache_factory or _dynamic_cache(model))(len(prompts), longest + max(max_new_tokens, default=1) - 1)
@@ -217,23 +171,13 @@ def batched_greedy(
 def prefill_padded(
     model: StepModel, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor, cache: KVCache
 ) -> Tensor:
-    """The textbook prompt pass: the whole left-padded batch at once. Returns each row's last logits (B, V).
-
-    Simple, but every row is computed at the longest prompt's length: the padding costs as much as
-    real tokens (masked, not skipped).
-    """
+    """The textbook prompt pass over the whole left-padded batch, padding computed (masked); each row's last logits (B, V)."""
     return model.prefill(input_ids, position_ids, attention_mask, cache)
 
 
 def prefill_by_length(model: StepModel, prompts: Sequence[Sequence[int]], cache: KVCache) -> Tensor:
-    """The prompt pass without computing any padding. Returns each row's last logits (B, V).
-
-    Prompts of the same length go through together, with no padding and no mask (the plain causal
-    path: exactly what each would compute alone). Their keys and values are then copied into one
-    zero-filled, left-padded tensor per layer (the attention mask hides the zeros) and stored into
-    ``cache`` as if one padded pass had written them: the cache sees an ordinary prefill through
-    :class:`~shared.model.KVCache`'s ``update`` and ``advance``.
-    """
+    """The prompt pass without computing any padding; returns each row's last logits (B, V). Prompts of one length run together
+    unmasked; their keys and values go into ``cache`` (``update``, ``advance``) left-padded, as if one padded pass wrote them."""
     device, n_layer = model.device, model.config.n_layer
     longest = max(len(p) for p in prompts)
     first_logits: Tensor | None = None

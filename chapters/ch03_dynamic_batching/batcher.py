@@ -1,35 +1,8 @@
 """A dynamic batcher: requests wait in one queue and leave for the model together.
 
-The rules (the README explains why each one is there):
-
-1. **The window opens at the first arrival.** A batch leaves ``window_s`` after its oldest request
-   arrived, so no request waits longer than the window plus the batch ahead of it (as long as no
-   more than ``max_batch`` requests are queued ahead of it: beyond that, the server is overloaded).
-2. **``min_batch`` waiting requests send a batch at once**, without waiting for the window to close.
-3. **Never more than ``max_batch``** requests in one batch; the rest stay queued for the next one.
-4. **First in, first out.** A batch is always the oldest requests in the queue.
-5. **The device runs one batch while the next one fills.** The batch runner is a plain blocking
-   function run in ONE dedicated thread; the event loop keeps accepting and queueing meanwhile, and
-   a batch that is ready while the device is busy keeps growing (up to ``max_batch``) until it is free.
-6. **Each request has its own future.** A failing batch fails exactly its own requests (500,
-   ``batch_failed``) and the batcher goes on with the next one.
-7. **Nobody computes for a client that is gone.** A request whose client disconnected before its
-   batch started is dropped when the batch is formed; a request whose awaiting coroutine was
-   cancelled leaves the queue at once.
-
-What a later chapter may plug in (chapter 4 does):
-
-- ``run_batch``: any blocking ``list[RequestT] -> list[ResultT]`` (same length, same order). Chapter 3
-  passes batched greedy generation; chapter 4 passes one backed by its KV-cache pool.
-- ``executor``: where ``run_batch`` runs (default: a fresh one-thread pool owned by the batcher).
-- ``clock``: :class:`MonotonicClock` in production; tests pass a fake one to drive time by hand.
-- Admission control sits in front of :meth:`DynamicBatcher.submit`; :attr:`DynamicBatcher.queued`
-  says how many requests are waiting.
-
-What it tells a watcher: :attr:`DynamicBatcher.events` (:mod:`~chapters.ch03_dynamic_batching.live_view`)
-gets one event per decision, for the live page: ``queue`` (a request arrived or left the queue),
-``batch`` (a batch left: its rows, and why it left then), ``done`` (its results are out).
-"""
+Rules: (1) a batch leaves ``window_s`` after its oldest request arrived, or (2) at once when ``min_batch`` wait; (3) at most
+``max_batch`` per batch; (4) first in, first out; (5) the batch runs in one thread while the next fills; (6) a failing batch fails
+exactly its own requests (500); (7) a request whose client left before its batch started gets 499; a cancelled one leaves."""
 
 from __future__ import annotations
 
@@ -119,11 +92,8 @@ class BatcherStats:
 
 
 class DynamicBatcher(Generic[RequestT, ResultT]):
-    """Collect requests into batches by the rules above and compute them off the event loop.
-
-    Life cycle: :meth:`start` inside a running loop, :meth:`submit` from request handlers,
-    :meth:`close` to drain (new submits get 503, queued requests are still computed).
-    """
+    """Collect requests into batches by the rules above; compute them in ``executor`` (default: its own thread).
+    :meth:`start` in a running loop, :meth:`submit` from handlers, :meth:`close` to drain (new submits 503, queued computed)."""
 
     def __init__(
         self,
@@ -150,8 +120,6 @@ class DynamicBatcher(Generic[RequestT, ResultT]):
         self.stats = BatcherStats()
         self.events = LiveEvents(hello=lambda: {"kind": "batcher", **self.describe()})
 
-    # ------------------------------------------------------------------ the request side
-
     @property
     def queued(self) -> int:
         """Requests waiting for a batch (not counting the batch on the device)."""
@@ -176,8 +144,7 @@ class DynamicBatcher(Generic[RequestT, ResultT]):
         try:
             return await future
         except asyncio.CancelledError:
-            # The handler was cancelled (its client left): give the queue slot back right away, so
-            # the request neither counts towards min_batch nor gets computed.
+            # The handler was cancelled: the request must neither count towards min_batch nor be computed.
             self._forget(future)
             raise
 
@@ -188,8 +155,6 @@ class DynamicBatcher(Generic[RequestT, ResultT]):
                 if self.events.watched:
                     self._publish_queue()
                 return
-
-    # ------------------------------------------------------------------ the collector
 
     def start(self) -> None:
         """Start collecting; call from inside the running event loop (e.g. a FastAPI lifespan)."""
@@ -236,21 +201,15 @@ class DynamicBatcher(Generic[RequestT, ResultT]):
         return True
 
     async def _wait_for_trigger(self) -> None:
-        """Return when ``min_batch`` requests wait, or the oldest has waited a full window.
-
-        Returns at once while closing (drain without waiting) or when the queue has emptied (every
-        waiting request was cancelled). Waits through ``self._clock``, waking on ``self._arrival``.
-        """
+        """Return when ``min_batch`` requests wait, the oldest has waited a full window, the queue is empty, or closing."""
         # EXERCISE ch03.1 BEGIN "the batcher's triggers: a window from the first arrival, and min_batch"
         while self._queue and len(self._queue) < self.config.min_batch and not self._closing:
-            # Recomputed every time: the deadline belongs to whoever is oldest now (the head may
-            # have been cancelled), never to the moment the collector happened to look.
+            # Recomputed each turn: the deadline belongs to whoever is oldest now (the head may have been cancelled).
             remaining = self._queue[0].arrived + self.window_s() - self._clock.now()
             if remaining <= 0:
                 return
             self._arrival.clear()
             await self._clock.wait(self._arrival, remaining)
-        # EXERCISE ch03.1 END
 
     def window_s(self) -> float:
         """How long the batch being formed may wait for company: fixed here; chapter 6 adapts it."""
@@ -270,12 +229,8 @@ class DynamicBatcher(Generic[RequestT, ResultT]):
             await self._clock.wait(self._device_free, None)
 
     async def _take_batch(self) -> list[_Waiting[RequestT, ResultT]]:
-        """Pop up to ``max_batch`` of the oldest requests whose clients are still there.
-
-        A request whose future is already done (cancelled while queued) is skipped; one whose client
-        is gone (:meth:`_client_gone`) is counted in ``stats.dropped_disconnected`` and its future
-        fails with :class:`ClientDisconnected`. Neither counts towards ``max_batch``.
-        """
+        """Pop up to ``max_batch`` of the oldest requests whose clients are still there. Skips a request whose future is done; one
+        whose client is gone fails with :class:`ClientDisconnected` (``stats.dropped_disconnected``); neither counts."""
         # EXERCISE ch03.2 BEGIN "the FIFO cut: at most max_batch of the oldest, skipping clients that are gone"
         batch: list[_Waiting[RequestT, ResultT]] = []
         while self._queue and len(batch) < self.config.max_batch:
@@ -291,7 +246,6 @@ class DynamicBatcher(Generic[RequestT, ResultT]):
                 continue
             batch.append(waiting)
         return batch
-        # EXERCISE ch03.2 END
 
     @staticmethod
     async def _client_gone(waiting: _Waiting[RequestT, ResultT]) -> bool:
@@ -336,8 +290,6 @@ class DynamicBatcher(Generic[RequestT, ResultT]):
         self.stats.requests += size
         self.stats.largest_batch = max(self.stats.largest_batch, size)
         self.stats.batch_sizes[size] += 1
-
-    # ------------------------------------------------------------------ the live page's events
 
     def _publish_queue(self) -> None:
         now = self._clock.now()

@@ -1,23 +1,4 @@
-"""The live page: watch the batcher decide, at ``/ui/``, fed by a stream of its decisions at ``/ui/events``.
-
-The batcher publishes one event per decision (a request queued, a batch leaving and why, a batch
-done) to its :class:`LiveEvents`; the page (``ui/``: static HTML, CSS and a script, nothing fetched
-from elsewhere) subscribes with the browser's ``EventSource`` and draws them. Watching must never
-slow the server down or grow its memory, so the stream is built to be off the hot path:
-
-- **nobody watching costs one check**: a publisher asks :attr:`LiveEvents.watched` before it builds
-  an event;
-- **each viewer has its own bounded queue**: a viewer that falls behind (a slow tab, a stalled
-  connection) loses its OLDEST events, never blocks the publisher, and is told how many it lost in
-  the next event it gets (the page shows it). Every event carries the running counters, so a page that
-  lost events still shows the right totals;
-- **an event is serialized once**, on the event loop, whoever and however many watch;
-- **another thread may publish** (chapter 8's step thread): :meth:`LiveEvents.publish_threadsafe`
-  hands the event to the loop in one call.
-
-The page's stream never ends by itself, and uvicorn waits for open responses before it exits:
-:class:`LiveViewServer` ends the streams first.
-"""
+"""The live page: watch the batcher decide, at ``/ui/``, fed by a stream of its decisions at ``/ui/events``, off the hot path."""
 
 from __future__ import annotations
 
@@ -90,11 +71,8 @@ class Viewer:
 
 
 class LiveEvents:
-    """One publisher's events (a batcher's, a step thread's), fanned out to every viewer.
-
-    ``hello`` describes the publisher now (its settings and counters): the first event every new
-    viewer gets, so the page can draw before anything happens. It is called on the event loop.
-    """
+    """One publisher's events (a batcher's, a step thread's), fanned out to every viewer. ``hello`` (called on the event loop)
+    describes the publisher now: the first event every new viewer gets."""
 
     def __init__(self, hello: Callable[[], dict] | None = None) -> None:
         self.viewers: set[Viewer] = set()
@@ -134,12 +112,8 @@ class LiveEvents:
 
 
 class LiveView:
-    """The page's routes on an app: ``/ui/`` (the page), ``/ui/<file>``, ``/ui/events`` (the stream).
-
-    ``events`` gives the publisher to watch (the newest model version's, where there are several);
-    ``pages`` are folders searched in order for the page's files, so a later chapter's page can use
-    this chapter's script and style sheet.
-    """
+    """The page's routes on an app: ``/ui/`` (the page), ``/ui/<file>``, ``/ui/events`` (the stream). ``events`` gives the
+    publisher to watch; ``pages`` are folders searched in order for the page's files."""
 
     def __init__(self, events: Callable[[], LiveEvents], pages: tuple[Path, ...] = (PAGE_DIR,)) -> None:
         self.events = events

@@ -1,15 +1,4 @@
-"""Chapter 3: dynamic batching. Requests wait a few milliseconds in a queue and go through the model together.
-
-A request's life: uvicorn parses HTTP on the event loop, the endpoint checks the body, then hands
-the request to the BATCHER and awaits its own future. The batcher groups what arrives within a
-short window (or as soon as ``min_batch`` are waiting, never more than ``max_batch``) and runs each
-group as one padded batch in the ONE dedicated inference thread, while the loop keeps collecting
-the next group. Every decode step now produces a token for every request of the batch for about the
-price of one: the weights are read once per step, and the per-step overheads are paid once.
-
-The process layout is chapter 2's (one process, one inference thread), so what changes in the
-benchmark is batching's doing alone.
-"""
+"""Chapter 3: dynamic batching; requests wait briefly in a queue and go through the model together, in one inference thread."""
 
 from __future__ import annotations
 
@@ -31,8 +20,7 @@ from shared.weights import load_served_model
 
 
 class BatcherOptions(BaseSettings):
-    """The batcher's three knobs (defaults: the article's starting point) and the prompt pass: an
-    option group any server with chapter 3's batcher composes."""
+    """The batcher's three knobs and the prompt pass: an option group any server with chapter 3's batcher composes."""
 
     model_config = ServerSettings.model_config
 
@@ -91,7 +79,6 @@ class BatchedBackend:
         return self.health()
 
     async def close(self) -> None:
-        # close() refuses new work (503) and computes whatever is still queued.
         await self.batcher.close()
 
 
@@ -99,7 +86,6 @@ def build_app(settings: BatchingSettings, run_batch: BatchRunner[ValidRequest, G
     """The server; ``run_batch`` replaces the model's batch function (tests inject failures with it)."""
     set_threads(settings.torch_threads)
     loaded = load_served_model(settings)
-    # The batcher owns the one inference thread (chapter 2's ThreadPoolExecutor(1)) and feeds it batches.
     batcher = DynamicBatcher(
         run_batch or GreedyBatchRunner(loaded.model, loaded.tokenizer.pad_id, settings.prefill), settings.batcher_config(),
         describe_row=request_row,

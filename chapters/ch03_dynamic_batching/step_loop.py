@@ -1,19 +1,4 @@
-"""The generation loop, one step at a time: schedule, execute, update.
-
-Every way this project generates tokens is this loop with a different scheduler:
-
-1. **schedule**: the scheduler decides what the next model call computes (a prompt pass, one decode
-   token for some rows, or nothing: the work is done) and returns it as a :class:`Step`;
-2. **execute**: the step runs on the model, or on any inference engine with the same two calls
-   (:class:`shared.model.StepModel`: ``prefill`` and ``decode``), and returns each row's logits;
-3. **update**: the scheduler turns the logits into tokens and records them: a row that has all its
-   tokens is finished, a request whose every row is finished can be answered.
-
-Chapter 3's :class:`~chapters.ch03_dynamic_batching.batched_generation.StaticBatch` schedules at the
-request level: the batch is fixed when it starts and leaves together. A step-level scheduler
-(continuous batching) plugs into the same loop and changes the batch between steps instead.
-vLLM's engine core has the same three parts (``schedule``, ``execute_model``, ``update_from_output``).
-"""
+"""The generation loop: a scheduler plans each model call (a :class:`Step`), it runs on a StepModel, the scheduler records it."""
 
 from __future__ import annotations
 

@@ -1,20 +1,4 @@
-"""Admission control: what happens to a request when the server cannot take more. The article's three answers.
-
-1. **Queue.** A request waits, first in first out, in the batcher's queue until a batch takes it and
-   reserves its KV memory from the pool. The queue is bounded (the article suggests 100).
-2. **Reject.** When that queue is full, the request gets 429 with a ``Retry-After`` header: the
-   client learns to come back instead of piling up timeouts.
-3. **Offload.** When pool use has stayed at or above a threshold (90 %) for a while, the pool is not
-   having a busy moment, it is overloaded: a request that finds the queue full is served on a slower
-   path outside the pool (the CPU fallback), up to a few at a time, instead of being refused. It
-   replaces the refusal, not the wait: while the queue has room, waiting for the fast path is
-   usually quicker than the slow path.
-
-KV memory has ONE ledger, the pool's allocator: a batch reserves exactly the range its padded
-tensors span when it starts, and returns it when it ends. This controller holds no memory of its
-own; it decides at arrival, from the queue's length and the pool's use, which of the three answers
-a request gets. It runs on the event loop only, so it needs no lock.
-"""
+"""Admission control: at arrival a request is queued, offloaded to the slow path or rejected (429); on the event loop only."""
 
 from __future__ import annotations
 
@@ -37,7 +21,7 @@ class Route(enum.Enum):
 
 @dataclass(frozen=True)
 class AdmissionConfig:
-    max_waiting: int = 100  # the article's queue bound
+    max_waiting: int = 100  # requests that may wait in the batcher's queue
     pressure_threshold: float = 0.9  # pool use at or above this counts as pressure ...
     pressure_duration_s: float = 5.0  # ... once it has lasted this long
     fallback_slots: int = 1  # requests on the fallback path at once (0: never offload)
@@ -51,11 +35,8 @@ class AdmissionConfig:
 
 
 class AdmissionController:
-    """Queue, offload or reject (429), decided per request at arrival.
-
-    ``waiting()`` is the number of requests in the queue; ``pool_use()`` the pool's used share
-    (0.0 to 1.0). Both are read, never written: the batcher owns the queue, the allocator the memory.
-    """
+    """Queue, offload or reject (429), decided per request at arrival. ``waiting()``: requests in the queue; ``pool_use()``:
+    the pool's used share (0.0 to 1.0); both only read."""
 
     HOLD_TIME_SMOOTHING = 0.2  # weight of the newest sample in the recent time in the server
 
@@ -75,16 +56,10 @@ class AdmissionController:
         self.fallback_served = 0
 
     def admit(self) -> Route:
-        """The route of a new request; raise ApiError(429) when it may not even wait.
-
-        A request admitted to :attr:`Route.BATCH` must be reported with :meth:`finished`, one on
-        the fallback with :meth:`fallback_done`, whatever happens to it.
-
-        First sample the pool's use (:meth:`_observe_pressure`). While fewer than ``max_waiting``
-        requests wait: BATCH (one more in flight, counted in ``admitted``). The queue full: FALLBACK
-        when :meth:`under_pressure` and a fallback slot is free (taken, counted in
-        ``fallback_served``); otherwise count it in ``rejected`` and raise :meth:`_too_many_requests`.
-        """
+        """The route of a new request, after sampling the pool's use; raises ApiError(429) when it may not even wait.
+        BATCH (counted in ``admitted``) while fewer than ``max_waiting`` wait; with the queue full, FALLBACK (a slot taken,
+        counted in ``fallback_served``) when :meth:`under_pressure` and a slot is free; else counted in ``rejected``.
+        Report a BATCH request with :meth:`finished`, a FALLBACK one with :meth:`fallback_done`, whatever happens to it."""
         # EXERCISE ch04.4 BEGIN "admission: queue while there is room, offload under sustained pressure, else 429"
         self._observe_pressure()
         if self._waiting() < self.config.max_waiting:
@@ -99,7 +74,6 @@ class AdmissionController:
             return Route.FALLBACK
         self.rejected += 1
         raise self._too_many_requests()
-        # EXERCISE ch04.4 END
 
     def finished(self, seconds_in_server: float) -> None:
         """A request of the batch route is done (answered, failed or abandoned)."""
@@ -112,8 +86,6 @@ class AdmissionController:
 
     def fallback_done(self) -> None:
         self.fallback_in_flight -= 1
-
-    # ------------------------------------------------------------------ pressure
 
     def _observe_pressure(self) -> None:
         """Pool use is sampled at every arrival: under load that is often, and idle there is nothing to decide."""
@@ -129,15 +101,8 @@ class AdmissionController:
         """Pool use has been at or above the threshold for at least the configured duration."""
         return self._above_since is not None and self._clock.now() - self._above_since >= self.config.pressure_duration_s
 
-    # ------------------------------------------------------------------ 429
-
     def retry_after_s(self) -> int:
-        """Whole seconds after which a retry has a fair chance, for the ``Retry-After`` header.
-
-        Estimate: the requests in the server leave at about ``in flight / recent time in the
-        server`` per second, and everyone waiting is ahead of the retry. So wait
-        ``recent time x (waiting + 1) / in flight``, rounded up, at least 1 s (before any finished, 1 s).
-        """
+        """Seconds for ``Retry-After``: recent time in server x (waiting + 1) / in flight, rounded up, >= 1 (1 at first)."""
         if self._recent_hold_s is None:
             return 1
         estimate = self._recent_hold_s * (self._waiting() + 1) / max(1, self._in_flight)
@@ -150,8 +115,6 @@ class AdmissionController:
             f"the queue is full ({self._waiting()} requests waiting); retry in {retry_after} s",
             headers={"Retry-After": str(retry_after)},
         )
-
-    # ------------------------------------------------------------------ figures
 
     def stats(self) -> dict:
         above_for = self._clock.now() - self._above_since if self._above_since is not None else 0.0

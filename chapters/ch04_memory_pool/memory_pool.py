@@ -1,22 +1,4 @@
-"""Chapter 4's idea: reserve the KV cache of every request once, at start-up, and hand out pieces of it.
-
-Three layers, each small enough to read on its own:
-
-1. Sizing (:func:`pool_tokens_by_rule`, :func:`pool_tokens_by_fraction`): how many token slots the
-   pool holds. The article's rule is "one request's peak at the longest sequence, times the largest
-   concurrency you expect, times 1.2 headroom"; the alternative is "this share of the memory that is
-   free right now".
-2. The allocator (:class:`BlockAllocator`): pure bookkeeping over block indices. A free list kept
-   sorted by address, first fit, coalescing with both neighbours on free. It fixes the article's
-   sketch: sizes rounded up to whole blocks, double, stale and foreign frees raise, the list is
-   never re-sorted, exhaustion is an answer (``None`` / :class:`PoolExhausted`) and never a crash.
-3. The pool and its cache (:class:`KVMemoryPool`, :class:`PooledKVCache`): one tensor allocated at
-   start-up, and a KV cache that writes each new key and value in place into a range of it.
-
-Threads: allocation and release run on the inference thread (the cache is created and closed by the
-batch generator there), while ``/stats`` reads the figures from the event loop. So the allocator
-takes a lock for every operation; it is held for microseconds and never across a model call.
-"""
+"""Chapter 4's KV-cache pool: sizing, a thread-safe first-fit block allocator, one tensor whose ranges hold batches' caches."""
 
 from __future__ import annotations
 
@@ -33,42 +15,24 @@ from torch import Tensor
 from shared.model import ModelConfig
 
 DEFAULT_BLOCK_TOKENS = 16
-DEFAULT_HEADROOM = 1.2  # the article's 20 % on top of "peak per request x concurrency"
-
-
-# ---------------------------------------------------------------------------------------------
-# Sizing
-# ---------------------------------------------------------------------------------------------
+DEFAULT_HEADROOM = 1.2  # the sizing rule's factor on top of "peak per request x concurrency"
 
 
 def kv_bytes_per_request(config: ModelConfig, longest_tokens: int, dtype: torch.dtype) -> int:
-    """KV-cache bytes one request holds when its sequence reaches ``longest_tokens`` positions.
-
-    This part of a request's peak is computed, not measured: it is exact and the only part the
-    pool stores (activations and kernel workspaces live outside it).
-    """
+    """KV-cache bytes one request holds at ``longest_tokens`` positions: exact, and the only part of its peak the pool stores."""
     return longest_tokens * config.kv_bytes_per_token(dtype)
 
 
 def pool_tokens_by_rule(longest_tokens: int, max_concurrency: int, headroom: float = DEFAULT_HEADROOM) -> int:
-    """The article's rule, in token slots: longest sequence x maximum concurrency x headroom.
-
-    Rounded up to a whole slot; raises ValueError unless both counts are >= 1 and headroom >= 1.0.
-    """
+    """Token slots: longest sequence x maximum concurrency x headroom, rounded up; ValueError unless all are >= 1."""
     # EXERCISE ch04.3 BEGIN "the article's sizing rule"
     if longest_tokens < 1 or max_concurrency < 1 or headroom < 1.0:
         raise ValueError("longest_tokens and max_concurrency must be >= 1, headroom >= 1.0")
     return math.ceil(longest_tokens * max_concurrency * headroom)
-    # EXERCISE ch04.3 END
 
 
 def available_memory_bytes(device: torch.device) -> int:
-    """What the pool may take a share of: free GPU memory on CUDA, available system memory on the CPU.
-
-    On the CPU, "available" is the kernel's estimate of memory a new allocation can get without
-    swapping (psutil's ``available``): it counts reclaimable page cache, and it is shared with every
-    other process on the machine, so take a small fraction.
-    """
+    """Free GPU memory on CUDA; on the CPU psutil's ``available`` (obtainable without swapping, shared with every process)."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return free
@@ -80,11 +44,6 @@ def pool_tokens_by_fraction(fraction: float, config: ModelConfig, dtype: torch.d
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
     return int(available_memory_bytes(device) * fraction) // config.kv_bytes_per_token(dtype)
-
-
-# ---------------------------------------------------------------------------------------------
-# The allocator: bookkeeping only, no tensors
-# ---------------------------------------------------------------------------------------------
 
 
 class PoolExhausted(Exception):
@@ -105,12 +64,8 @@ class ForeignFree(InvalidFree):
 
 @dataclass(frozen=True)
 class BlockRange:
-    """A live allocation: ``n_blocks`` consecutive blocks from ``start``.
-
-    ``allocation_id`` is unique per allocation, so a stale handle (freed, then its blocks handed to
-    someone else) is caught instead of freeing the new owner's blocks. ``owner_id`` names the
-    allocator that issued it.
-    """
+    """A live allocation: ``n_blocks`` consecutive blocks from ``start``. ``allocation_id`` is unique per allocation (a stale
+    handle is caught, not freed again); ``owner_id`` names the allocator that issued it."""
 
     start: int
     n_blocks: int
@@ -123,16 +78,9 @@ class BlockRange:
 
 
 class BlockAllocator:
-    """First-fit allocation of block ranges from ``total_blocks``, with a sorted, coalesced free list.
-
-    Invariants (the property tests check them): free ranges are sorted by start, never overlap,
-    never touch (touching neighbours are merged), and together with the live ranges they cover
-    ``[0, total_blocks)`` exactly once. ``used_blocks`` is the sum of live ranges, so it can never go
-    negative or past the total.
-
-    Cost: allocation scans the free list in address order (O(free ranges)); free finds its place by
-    binary search and merges with at most two neighbours (O(log n) search plus one list insert).
-    """
+    """First-fit allocation of block ranges from ``total_blocks``, with a sorted, coalesced free list; every operation locks.
+    Invariants: free ranges are sorted by start, never overlap, never touch, and with the live ranges cover ``[0, total_blocks)``
+    exactly once; ``used_blocks`` is the sum of live ranges. Allocation is O(free ranges); free, a binary search and an insert."""
 
     _owner_ids = itertools.count(1)
 
@@ -148,8 +96,6 @@ class BlockAllocator:
         self._next_allocation_id = 1
         self._used_blocks = 0
 
-    # -- allocation ---------------------------------------------------------------------------
-
     def try_allocate(self, n_blocks: int) -> BlockRange | None:
         """The lowest-addressed free range of ``n_blocks`` blocks, or None when none is large enough."""
         if n_blocks < 1:
@@ -160,7 +106,6 @@ class BlockAllocator:
                 if size >= n_blocks:
                     return self._take(index, n_blocks)
             return None
-        # EXERCISE ch04.1 END
 
     def allocate(self, n_blocks: int) -> BlockRange:
         """Like :meth:`try_allocate`, but raise :class:`PoolExhausted` instead of returning None."""
@@ -184,9 +129,6 @@ class BlockAllocator:
         self._live[start] = taken
         self._used_blocks += n_blocks
         return taken
-        # EXERCISE ch04.1 END
-
-    # -- release ------------------------------------------------------------------------------
 
     def free(self, block_range: BlockRange) -> None:
         """Return a live range. Raise :class:`DoubleFree` or :class:`ForeignFree` for anything else."""
@@ -219,9 +161,6 @@ class BlockAllocator:
         else:
             self._free_starts.insert(index, start)
             self._free_sizes.insert(index, size)
-        # EXERCISE ch04.2 END
-
-    # -- figures ------------------------------------------------------------------------------
 
     @property
     def used_blocks(self) -> int:
@@ -246,11 +185,6 @@ class BlockAllocator:
             return sorted(self._live.values(), key=lambda r: r.start)
 
 
-# ---------------------------------------------------------------------------------------------
-# The pool: one tensor, and KV caches that live inside it
-# ---------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class PoolStats:
     block_tokens: int
@@ -269,14 +203,8 @@ class PoolStats:
 
 class KVMemoryPool:
     """Every request's keys and values, in one tensor allocated (and touched) at start-up.
-
-    Storage layout: ``(n_layer, 2, capacity_tokens, kv_width)``, the 2 being keys and values and
-    ``kv_width`` the key/value heads times the head width (the model's width for a GPT, a third of it
-    for SmolLM2's grouped-query attention). A block is ``block_tokens`` token slots; a range of blocks
-    is the same rows in every (layer, key/value) plane, so one allocation covers all layers. Inside a
-    plane a range is contiguous memory, which :class:`PooledKVCache` reinterprets as
-    ``(batch, kv_heads, max_len, head_dim)``.
-    """
+    Storage: ``(n_layer, 2, capacity_tokens, kv_width)`` (keys, values; ``kv_width`` = kv heads x head width). A block is
+    ``block_tokens`` slots; a range of blocks is the same rows in every (layer, key/value) plane, contiguous within each."""
 
     def __init__(
         self,
@@ -293,8 +221,7 @@ class KVMemoryPool:
         self.block_tokens = block_tokens
         self.allocator = BlockAllocator(max(1, math.ceil(capacity_tokens / block_tokens)))
         self.capacity_tokens = self.allocator.total_blocks * block_tokens
-        # zeros, not empty: every page is written now, so no request pays the first-touch cost later
-        # (on the CPU an untouched page faults on first write; that is allocation latency too).
+        # zeros, not empty: every page is touched now, so no request pays a first-write page fault later.
         self.storage = torch.zeros(
             (config.n_layer, 2, self.capacity_tokens, config.kv_width), device=device, dtype=dtype
         )
@@ -309,11 +236,8 @@ class KVMemoryPool:
         return self.storage.dtype
 
     def blocks_for(self, n_tokens: int) -> int:
-        """Whole blocks needed for ``n_tokens`` token slots (the alignment the article's sketch lacks)."""
+        """Whole blocks needed for ``n_tokens`` token slots (at least 1)."""
         return max(1, math.ceil(n_tokens / self.block_tokens))
-
-    def try_allocate_tokens(self, n_tokens: int) -> BlockRange | None:
-        return self.allocator.try_allocate(self.blocks_for(n_tokens))
 
     def free(self, block_range: BlockRange) -> None:
         self.allocator.free(block_range)
@@ -347,14 +271,8 @@ class KVMemoryPool:
 
 class PooledKVCache:
     """A :class:`shared.model.KVCache` for one batch, living in one range of a :class:`KVMemoryPool`.
-
-    Layout: each (layer, key/value) plane of the range is viewed as ``(B, H, max_len, D)``, so every
-    head's history is contiguous. ``update`` copies the new positions into place and returns
-    ``view[:, :, :seq_len + T]``: the same shape DynamicKVCache's concatenation builds, as a strided
-    view that skips the unused tail. Nothing is gathered and no KV tensor is created after start-up.
-
-    Call :meth:`close` (or use ``with``) when the batch is done: it returns the range to the pool.
-    """
+    Each (layer, key/value) plane is viewed as ``(B, H, max_len, D)``; ``update`` copies the new positions in place and returns
+    a view of ``[:, :, :seq_len + T]``. :meth:`close` (or ``with``) returns the range; a closed cache raises RuntimeError."""
 
     def __init__(self, pool: KVMemoryPool, block_range: BlockRange, batch_size: int, max_len: int) -> None:
         config = pool.config
@@ -407,13 +325,7 @@ class PooledKVCache:
 
 class BatchCacheLease:
     """Lends pool caches to one call of chapter 3's ``generate_batch`` and takes them all back after.
-
-    ``generate_batch`` may split a batch into groups and run them one after the other, asking the
-    factory for one cache per group and using it only during that group. So a new request for a
-    cache closes the previous one first: one range per batch is live at any time. Used as
-    ``with BatchCacheLease(pool) as lease: generate_batch(..., cache_factory=lease.new_cache)``;
-    leaving the block returns the last range even when generation raised.
-    """
+    A new cache closes the previous one (one live range per batch); leaving ``with`` returns the last, even on error."""
 
     def __init__(self, pool: KVMemoryPool) -> None:
         self.pool = pool

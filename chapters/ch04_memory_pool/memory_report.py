@@ -1,11 +1,4 @@
-"""``python -m chapters.ch04_memory_pool.memory_report``: where the memory of inference goes, computed.
-
-For each model shape: the weights, the KV cache per token and per request at the longest sequence,
-the pool the article's rule asks for, and the largest activation tensor of one forward pass. Every
-figure is arithmetic on the model's shape (the parameters are counted on torch's ``meta`` device, so
-nothing is allocated): exact for weights and KV cache, an estimate for activations, which depend on
-the kernels. These are not benchmark numbers; the harness measures time, this measures bytes.
-"""
+"""``python -m chapters.ch04_memory_pool.memory_report``: where the memory of inference goes, computed from the model's shape."""
 
 from __future__ import annotations
 
@@ -34,7 +27,7 @@ class MemoryFigures:
     weight_bytes: int
     kv_bytes_per_token: int
     kv_bytes_per_request: int  # at the longest sequence (n_ctx)
-    pool_bytes: int  # the article's rule at ``concurrency`` requests
+    pool_bytes: int  # the sizing rule at ``concurrency`` requests
     activation_bytes: int  # largest single activation of a prefill of ``batch`` x ``prompt`` tokens
 
 
@@ -44,11 +37,8 @@ def count_parameters(config: ModelConfig) -> int:
 
 
 def largest_activation_bytes(config: ModelConfig, batch: int, prompt: int, dtype: torch.dtype) -> int:
-    """The biggest tensor a prefill creates: the MLP's hidden layer (two of them side by side in a gated MLP), or the logits row per sequence.
-
-    (A fused attention kernel never stores the T x T score matrix; the plain math kernel would, for
-    ``batch x heads x prompt x prompt`` more. Workspaces and the allocator's caching come on top.)
-    """
+    """Bytes of the biggest tensor a prefill creates: the MLP's hidden layer (two in a gated MLP), or the last logits.
+    Assumes a fused attention kernel (no T x T scores stored); workspaces and the allocator's caching come on top."""
     element = torch.tensor([], dtype=dtype).element_size()
     mlp_hidden = batch * prompt * config.mlp_width * (2 if config.family == "llama" else 1)
     last_logits = batch * config.vocab_size

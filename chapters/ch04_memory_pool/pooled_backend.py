@@ -1,10 +1,4 @@
-"""Chapter 4's parts: the batched runner whose KV caches live in the pool, the CPU fallback, the backend.
-
-:class:`PooledBatchRunner` is chapter 3's batched generation with each batch's cache in a range of
-the pool; :class:`CpuFallback` is the slow path outside the pool that admission control may send a
-request to; :class:`PooledBackend` is chapter 3's batched backend with admission control in front.
-Chapter 4's ``server.py`` composes them (chapters 5 and 6 compose them again around an engine).
-"""
+"""Chapter 4's parts: the batched runner whose KV caches live in the pool, the CPU fallback, the backend behind admission."""
 
 from __future__ import annotations
 
@@ -36,13 +30,8 @@ def cpu_copy(model: GPT) -> GPT:
 
 class PooledBatchRunner:
     """Chapter 3's batched generation with each batch's KV cache in a range of the pool.
-
-    A batch reserves ``rows x (longest prompt + most new tokens - 1)`` token slots, rounded up to
-    whole blocks, the moment it starts; a batch too large for the pool runs as consecutive groups
-    that each fit. ``slots_reserved`` and ``slots_written`` count, over every batch, the slots taken
-    and the slots that ended up holding a real token's key and value (the rest is left padding, the
-    unused tail of rows that asked for fewer tokens, and rounding to blocks).
-    """
+    A batch reserves ``rows x (longest prompt + most new tokens - 1)`` slots in whole blocks as it starts; one too large for the
+    pool runs as consecutive groups that fit. ``slots_reserved`` / ``slots_written``: slots taken / holding a real token."""
 
     def __init__(self, model: StepModel, pool: KVMemoryPool, pad_id: int, prefill: Prefill) -> None:
         self.model, self.pool, self.pad_id, self.prefill = model, pool, pad_id, prefill
@@ -68,7 +57,6 @@ class PooledBatchRunner:
         return groups
 
     def _run_group(self, requests: list[ValidRequest]) -> list[Generated]:
-        # The lease takes the range back when generation ends, whether it returned or raised.
         with BatchCacheLease(self.pool) as lease:
 
             def reserve(batch_size: int, max_len: int) -> PooledKVCache:

@@ -1,22 +1,4 @@
-"""Chapter 4: a KV-cache pool reserved at start-up, and admission control in front of the batcher.
-
-A request's life: uvicorn parses HTTP on the event loop and the endpoint checks the body, as in
-chapter 2. Then, new in this chapter, ADMISSION CONTROL decides at once: the request joins chapter
-3's batcher queue if the queue has room; when it is full, the request is served on the CPU fallback
-path outside the pool if the pool has been under pressure for a while, and otherwise gets 429 with
-Retry-After. When a batch leaves the queue it reserves, from the POOL allocated at start-up, exactly
-the range its padded keys and values span; chapter 3's batched generation writes them in place
-there (nothing is allocated or copied per decode step), and the range goes back when the batch ends,
-whether it returned or raised. One ledger of KV memory (the allocator), one queue, one way out of it.
-
-``GET /stats`` shows the pool (blocks, bytes, the share reserved and the share written), the
-admission figures, and the batcher.
-
-This file is the composition: the settings, how the pool is sized (the article's rule) and what is
-built from them. The parts are in their own modules: the pool and its allocator
-(``memory_pool.py``), admission control (``admission.py``), and the runner, the fallback and the
-backend they make up (``pooled_backend.py``).
-"""
+"""Chapter 4: a KV-cache pool reserved at start-up, and admission control in front of the batcher; ``/stats`` shows both."""
 
 from __future__ import annotations
 
@@ -66,8 +48,7 @@ class PoolOptions(BaseSettings):
 
 
 class AdmissionOptions(BaseSettings):
-    """Admission control for a request-level batcher over the pool, and its CPU fallback: an option
-    group chapters 4-7 compose."""
+    """Admission control for a request-level batcher over the pool, and its CPU fallback: an option group chapters 4-7 compose."""
 
     model_config = ServerSettings.model_config
 
@@ -82,11 +63,6 @@ class PoolSettings(PoolOptions, AdmissionOptions, BatcherOptions, ServerSettings
     """Chapter 3's knobs plus the pool's and admission control's."""
 
 
-# ------------------------------------------------------------------------------------------------
-# Sizing
-# ------------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class PoolPlan:
     capacity_tokens: int
@@ -94,12 +70,8 @@ class PoolPlan:
 
 
 def plan_pool(settings: PoolOptions, concurrency: int, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> PoolPlan:
-    """How big the pool is: the article's rule by default, for ``concurrency`` requests in flight at once.
-
-    The longest sequence a request may reach is the context itself: the API accepts any prompt with
-    ``prompt + max_new_tokens <= n_ctx``; that is the article's "peak per request". A pool must hold
-    at least one such request, or some valid request could never run.
-    """
+    """How big the pool is: ``--pool-tokens``, ``--pool-fraction``, else the sizing rule for ``concurrency`` requests at n_ctx.
+    Raises SettingsError when the pool cannot hold one request at the full context (some valid request could never run)."""
     longest = config.n_ctx
     if settings.pool_tokens:
         capacity, rule = settings.pool_tokens, f"--pool-tokens {settings.pool_tokens}"
@@ -113,11 +85,6 @@ def plan_pool(settings: PoolOptions, concurrency: int, config: ModelConfig, dtyp
     if capacity < longest:
         raise SettingsError(f"a pool of {capacity} token slots cannot hold one request of {longest} positions ({rule})")
     return PoolPlan(capacity_tokens=capacity, rule=rule)
-
-
-# ------------------------------------------------------------------------------------------------
-# The server
-# ------------------------------------------------------------------------------------------------
 
 
 def build_app(settings: PoolSettings, run_batch: BatchRunner[ValidRequest, Generated] | None = None) -> FastAPI:

@@ -1,15 +1,7 @@
-"""bf16 matrix products on the CPU, from the row count where they pay: kernel autotuning by hand.
+"""bf16 matrix products on the CPU from the row count where they beat fp32, measured once at start-up.
 
-A CPU with AVX512-BF16 or AMX multiplies bf16 in hardware at up to twice fp32's rate, but each call
-has a fixed cost; for a few rows (a decode step at batch 1) fp32 is faster. So each block's linear
-layers measure, once at start-up, where bf16 starts to win, and use it from there on. Everything
-else (the norms, softmax, rotary positions, attention, the KV cache) stays fp32, except inside the
-MLP: there the wide activation between the products stays bf16, with GELU fused into the first
-product (:class:`Bf16MLP`, the GPT's) or SiLU(gate) * up computed on it in bf16
-(:class:`Bf16GatedMLP`, the Llama's). The bf16 weights are kept in the blocked layout oneDNN's
-kernel reads (:func:`onednn_layout`), so no product rearranges them again. Which linear layers a
-block has is one table, :data:`BLOCK_LINEARS`, one row per model family.
-"""
+A block's linear layers (:data:`BLOCK_LINEARS`) take and give fp32; the norms, attention and the KV cache stay fp32, and
+only the MLP's hidden activation stays bf16 between its two products."""
 
 from __future__ import annotations
 
@@ -17,7 +9,6 @@ import copy
 import time
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -27,24 +18,13 @@ from shared.llama import LlamaMLP
 from shared.model import MLP, DecoderModel
 
 NEVER = 2**62  # a row count no call reaches: bf16 never used
-# bf16 products run on a row count rounded up to a multiple of this: oneDNN builds (JIT-compiles) a kernel
-# for each new shape and keeps a bounded number of them, so a server whose steps carry any number of tokens
-# would keep compiling; on the buckets it builds each at most once.
+# bf16 products run on row counts rounded up to this multiple, bounding the kernels oneDNN JIT-compiles (one per shape)
 ROW_BUCKET = 16
 
 
 class Bf16MatmulLinear(nn.Module):
-    """A linear layer whose large calls multiply in bf16 and whose small ones stay fp32.
-
-    Input and output are fp32. A call with at least ``min_rows`` rows (tokens) rounds its input to
-    bf16 and multiplies by a bf16 copy of the weights (the CPU's bf16 dot-product instructions,
-    accumulating in fp32); a smaller call uses the fp32 weights, because there the bf16 kernel's
-    fixed cost is larger than the arithmetic it saves. This is what CPU inference stacks do with
-    bf16 (autocast, oneDNN): matrix products in bf16, LayerNorm, softmax and the KV cache in fp32.
-
-    The layer keeps only the weights its calls read: no fp32 copy where every call multiplies in bf16
-    (``min_rows <= 1``), no bf16 copy where none does (``min_rows`` is :data:`NEVER`).
-    """
+    """A linear layer, fp32 in and out: a call of at least ``min_rows`` rows (tokens) multiplies in bf16 with fp32
+    accumulation, a smaller one in exact fp32. Keeps only the weights its calls read (no bf16 copy at :data:`NEVER`)."""
 
     def __init__(self, linear: nn.Linear, min_rows: int) -> None:
         super().__init__()
@@ -74,22 +54,14 @@ class Bf16MatmulLinear(nn.Module):
         if x.numel() >= self.min_rows * self.in_features:
             return _bf16_linear(x, self.weight_bf16, self.bias_bf16)
         return F.linear(x, self.weight, self.bias)
-        # EXERCISE ch05.3 END
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, bf16 from {self.min_rows} rows"
 
 
 class Bf16MLP(nn.Module):
-    """A block's MLP whose large calls stay bf16 from the first product to the second, GELU fused into the first.
-
-    Operator fusion, in one place: the MLP's hidden activation is four times the block's width, and
-    between the products the unfused path would cast it to fp32, run torch's tanh-GELU over it (an
-    accurate tanh per element, which on a CPU can cost as much as the product) and cast it back.
-    Here oneDNN applies GELU to the first product's fp32 accumulators in the product's own epilogue
-    (a post-op: what TorchInductor emits on the CPU) and writes bf16, which the second product reads
-    as it is. Calls below ``min_rows`` take the fp32 path, exactly :class:`~shared.model.MLP`'s.
-    """
+    """A GPT block's MLP whose large calls stay bf16 from the first product to the second, tanh-GELU fused into the
+    first product's epilogue (a oneDNN post-op). Calls below ``min_rows`` take :class:`~shared.model.MLP`'s fp32 path."""
 
     def __init__(self, mlp: MLP, min_rows: int) -> None:
         super().__init__()
@@ -103,16 +75,8 @@ class Bf16MLP(nn.Module):
 
 
 class Bf16GatedMLP(nn.Module):
-    """A Llama block's gated MLP whose large calls stay bf16 from the gate/up product to the down product.
-
-    :class:`Bf16MLP`'s shape for ``down(silu(gate) * up)``: one bf16 product for gate and up together
-    (their weights are one matrix), SiLU(gate) * up computed on its bf16 output, and the down product
-    reading that bf16 hidden activation as it is. SiLU cannot be the fused product's post-op, as GELU
-    is the GPT's: it applies to the gate's half of the columns only. (Two products, gate with a SiLU
-    post-op and up with a multiplying one, would fuse it; they were not faster on the CPU this was
-    measured on, since the element-wise pass is small next to the products.) Calls below ``min_rows``
-    take the fp32 path, exactly :class:`~shared.llama.LlamaMLP`'s.
-    """
+    """A Llama block's gated MLP, ``down(silu(gate) * up)``, whose large calls stay bf16 from the gate/up product to the
+    down product (SiLU on the gate's half only). Calls below ``min_rows`` take :class:`~shared.llama.LlamaMLP`'s path."""
 
     def __init__(self, mlp: LlamaMLP, min_rows: int) -> None:
         super().__init__()
@@ -130,11 +94,8 @@ class Bf16GatedMLP(nn.Module):
 
 @dataclass(frozen=True)
 class BlockLinears:
-    """Where one family's transformer block keeps the linear layers that multiply in bf16.
-
-    Paths are attribute paths inside a block (``block.get_submodule(path)``).
-    """
-
+    """Where one family's transformer block keeps the linear layers that multiply in bf16, as attribute paths inside a
+    block (``block.get_submodule(path)``)."""
     attention: tuple[str, ...]  # the projections into and out of attention: each a Bf16MatmulLinear
     mlp: str  # the MLP, replaced whole by ``bf16_mlp``
     bf16_mlp: type[nn.Module]  # built as ``bf16_mlp(mlp, min_rows)``
@@ -154,14 +115,8 @@ def _onednn_linear():
 
 
 def onednn_layout(weight: Tensor) -> Tensor:
-    """``weight`` (out, in), bf16, rearranged once into the blocked layout oneDNN's product kernel reads.
-
-    Given a plain weight, every product first copies it into that layout (a reorder), which on a
-    decode step's few rows is a large part of the call. Laid out once here, as TorchInductor does with
-    frozen weights, each product reads it as it is; the result is the same to the bit. Where this torch
-    lacks oneDNN's ops, or oneDNN refuses bf16 on this CPU (it asks for AVX-512 or AVX-NE-CONVERT: an
-    AVX2 laptop has neither), the plain weight is returned, and :func:`linear_bf16` uses ``F.linear``.
-    """
+    """``weight`` (out, in), bf16, laid out once in oneDNN's blocked layout so no product reorders it (same result to the
+    bit); the plain weight where this torch lacks oneDNN's ops or oneDNN refuses bf16 on this CPU."""
     reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
     if _onednn_linear() is None or reorder is None or weight.device.type != "cpu":
         return weight
@@ -179,38 +134,18 @@ def linear_bf16(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 
 def linear_gelu_bf16(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``tanh-GELU(x @ weight.T + bias)`` for bf16 ``x`` and weights (plain or :func:`onednn_layout`'s), in bf16:
-    in one oneDNN call where this torch has the fused op, else the product, then GELU."""
+    """``tanh-GELU(x @ weight.T + bias)`` in bf16, one oneDNN call where this torch has the fused op."""
     fused = _onednn_linear()
     if fused is not None and x.device.type == "cpu":
         return fused(x, weight, bias, "gelu", [], "tanh")
     return F.gelu(F.linear(x, weight, bias), approximate="tanh")
 
 
-def cpu_has_native_bf16() -> bool:
-    """True when this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX) and oneDNN will use it.
-
-    Without those instructions bf16 is emulated and slower than fp32, so it would not pay.
-    """
-    onednn_bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)  # private: absent in some builds
-    if not (torch.backends.mkldnn.is_available() and onednn_bf16 is not None and onednn_bf16()):
-        return False
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def bf16_crossover_rows(
     linear: nn.Linear, candidates: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), repeats: int = 30
 ) -> tuple[int | None, dict[int, tuple[float, float]]]:
-    """Measure where bf16 starts to beat fp32 for this layer's shape: kernel autotuning by hand.
-
-    For each candidate row count, time the fp32 and the bf16 product (median of ``repeats``) and
-    pick with :func:`crossover_from_timings`. Returns the crossover and the timings in
-    microseconds, ``{rows: (fp32, bf16)}``, which the conversion report keeps.
-    """
+    """Where bf16 starts to beat fp32 for this layer's shape (:func:`crossover_from_timings`), and the median of
+    ``repeats`` timings per candidate row count, in microseconds: ``{rows: (fp32, bf16)}``."""
     weight = linear.weight.detach().float()
     bias = None if linear.bias is None else linear.bias.detach().float()
     weight16, bias16 = onednn_layout(weight.to(torch.bfloat16)), None if bias is None else bias.to(torch.bfloat16)
@@ -225,9 +160,8 @@ def bf16_crossover_rows(
 
 
 def crossover_from_timings(timings: dict[int, tuple[float, float]]) -> int | None:
-    """The smallest row count from which bf16 (second figure) is faster at every larger measured
-    count (past the largest, bf16 only gets better: more arithmetic for the same fixed cost);
-    None when bf16 loses even at the largest count (a CPU that emulates bf16)."""
+    """The smallest row count from which bf16 (second figure) is faster at every larger measured count (past the
+    largest, bf16 only gets better); None when bf16 loses even at the largest count (a CPU that emulates bf16)."""
     # EXERCISE ch05.1 BEGIN "the bf16 crossover: the smallest row count from which bf16 wins at every larger one"
     crossover = None
     for rows in sorted(timings, reverse=True):
@@ -236,7 +170,6 @@ def crossover_from_timings(timings: dict[int, tuple[float, float]]) -> int | Non
             break
         crossover = rows
     return crossover
-    # EXERCISE ch05.1 END
 
 
 def _bf16_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -244,9 +177,8 @@ def _bf16_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 
 def bf16_rows(x: Tensor) -> Tensor:
-    """``x`` (..., K) as bf16 rows (R, K), R its row count rounded up to :data:`ROW_BUCKET`, the rows past
-    its own zero: one copy, which is also the cast. Rows never mix in a product, so the padding changes no
-    row of the result; :func:`_unpadded` drops it."""
+    """``x`` (..., K) as bf16 rows (R, K), R its row count rounded up to :data:`ROW_BUCKET`, the rows past its own zero
+    (rows never mix in a product, so the padding changes no row of the result; :func:`_unpadded` drops it)."""
     rows = x.numel() // x.shape[-1]
     padded, flat = -(-rows // ROW_BUCKET) * ROW_BUCKET, x.reshape(rows, x.shape[-1])
     if padded == rows:
@@ -274,14 +206,9 @@ def _median_us(call, repeats: int) -> float:
 
 
 def with_bf16_matmuls(model: DecoderModel, min_rows: int | None = None) -> DecoderModel:
-    """``model`` (changed in place) with every transformer-block linear layer a :class:`Bf16MatmulLinear`,
-    the MLP's inside its family's bf16 MLP (:data:`BLOCK_LINEARS`).
-
-    ``min_rows=None`` measures the crossover on the widest layer (:func:`bf16_crossover_rows`) and
-    records it on the model as ``bf16_tuning``; where bf16 never won, every product stays fp32 (and
-    the notes say so). The embedding and the output layer stay fp32: the first is a lookup, the
-    second decides the argmax.
-    """
+    """``model`` (changed in place) with its blocks' linear layers multiplying in bf16 from ``min_rows`` rows
+    (:data:`BLOCK_LINEARS`); ``None`` measures it on the widest layer (:data:`NEVER` where bf16 never wins). Records
+    ``{"min_rows", "timings_us"}`` as ``model.bf16_tuning``; the embedding and the output layer stay fp32."""
     linears = BLOCK_LINEARS[model.config.family]
     timings: dict[int, tuple[float, float]] = {}
     if min_rows is None:
@@ -293,5 +220,3 @@ def with_bf16_matmuls(model: DecoderModel, min_rows: int | None = None) -> Decod
         block.set_submodule(linears.mlp, linears.bf16_mlp(block.get_submodule(linears.mlp), min_rows))
     model.bf16_tuning = {"min_rows": min_rows, "timings_us": timings}
     return model.eval()
-
-

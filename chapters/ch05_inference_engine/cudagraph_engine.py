@@ -1,46 +1,9 @@
 """The ``cudagraph`` engine: the decode step recorded once as CUDA graphs over static buffers, replayed every step.
 
-An eager decode step of a GPT-2-sized model is a few hundred small kernels, each launched by Python:
-on a fast GPU the launches, not the arithmetic, set the pace, and the GPU waits for the interpreter.
-A CUDA graph records the kernels of one step once and replays them with a single launch. What
-gpt-fast and nano-vllm do, done here for this repository's model:
-
-- **Static shapes.** A graph replays fixed kernels on fixed addresses. So the step is written for
-  a fixed number of rows (a *batch bucket*: 1, 2, 4, ... 256) and a fixed number of key columns
-  (a *length bucket*), and reads its inputs from buffers allocated once: token ids ``(rows, 1)``,
-  positions ``(rows, 1)``, an attention mask over the whole static length, the column the new
-  key and value go to, and the keys and values themselves.
-- **Static KV buffers in the pool's layout.** The keys and values live in one range of a chapter 4
-  :class:`~chapters.ch04_memory_pool.memory_pool.KVMemoryPool`, taken once: per layer a
-  ``(largest bucket, kv_heads, max_len, head_dim)`` view of it, as :class:`PooledKVCache` views its
-  range (the key/value heads: fewer than the query heads under a Llama's grouped-query attention).
-  Bucket ``b`` uses the first ``b`` rows of the same views, so one range serves every graph.
-- **Padding up to the bucket.** A batch of 5 rows runs in the 8-row graph: rows 5-7 get token 0 at
-  position 0, see only their own new key (no fully masked row, so no NaN), and their logits are
-  dropped. Rows never mix in a decoder (attention is within a row), so they cannot change real rows.
-- **Prefill stays eager** (its shapes change with every prompt), and writes into the same static
-  keys and values through the ordinary :class:`~shared.model.KVCache` interface.
-
-The step is :meth:`CudaGraphEngine._static_step`; it is the same function whether it is captured
-(CUDA) or called directly (``capture=False``, the CPU), so the CPU tests run the exact static-shape
-computation the graphs record. Only :meth:`CudaGraphEngine._capture` needs CUDA; nothing pretends
-to capture where there is none.
-
-Two ways to hand this engine a KV cache:
-
-1. **Its own** (:meth:`CudaGraphEngine.new_cache`, a chapter 3 ``cache_factory``): the prompt's keys
-   and values are written straight into the static buffers, and decode steps touch nothing else.
-   No copies. One such cache is live at a time (a new one closes the previous one). The server
-   serves this way: the engine is built on the server's one pool, sized by chapter 4's rule
-   (:func:`static_shape_in` says what static shape that pool holds), and :class:`StaticCacheRunner`,
-   chapter 4's runner, takes each batch's cache from the engine.
-2. **Any other** :class:`~shared.model.KVCache` (chapter 4's pool cache, the growing tensors): the
-   first decode step of a batch *adopts* it, copying its prompt keys and values into the static
-   buffers once; every step then also stores its new key and value back into that cache, so the
-   cache holds what the protocol says it holds. Correct anywhere, at the cost of those copies.
-
-A batch with more rows than the largest bucket is refused (:class:`BatchTooLarge`), never split
-here: the caller's batcher caps batches (``max_batch``), and the cache already holds every row.
+Each step has fixed shapes (a *batch bucket* of rows, padded up to; a *length bucket* of key columns) over buffers
+allocated once, the keys and values one range of a chapter 4 pool. Prefill stays eager. The engine's own cache
+(:meth:`CudaGraphEngine.new_cache`) is written in place; any other :class:`~shared.model.KVCache` is copied in once per
+batch and kept in step. A batch larger than the largest bucket raises :class:`BatchTooLarge`.
 """
 
 from __future__ import annotations
@@ -70,8 +33,7 @@ from shared.model import DecoderModel, KVCache
 from shared.schemas import ValidRequest
 
 DEFAULT_BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-# Key columns a step attends over. Attention reads every column of its bucket (masked or not), so
-# several length buckets keep short sequences from paying for the whole context.
+# Key columns a step attends over: attention reads every column of its bucket, masked or not.
 DEFAULT_LENGTH_BUCKETS: tuple[int, ...] = (64, 128, 256, 512, 1024)
 SUPPORTED_PRECISIONS = ("fp32", "fp16", "bf16")
 
@@ -81,10 +43,7 @@ class BatchTooLarge(ValueError):
 
 
 def bucket_for(n: int, buckets: Sequence[int]) -> int:
-    """The smallest bucket that holds ``n``; :class:`BatchTooLarge` when even the largest does not.
-
-    ``buckets`` must be sorted ascending.
-    """
+    """The smallest of ``buckets`` (ascending) that holds ``n``; :class:`BatchTooLarge` when even the largest does not."""
     if n < 1:
         raise ValueError(f"need at least one row or column, got {n}")
     index = bisect.bisect_left(buckets, n)
@@ -108,16 +67,9 @@ def batch_buckets_for(max_rows: int, candidates: Sequence[int] = DEFAULT_BATCH_B
 
 
 def static_shape_in(pool: KVMemoryPool, max_batch: int) -> tuple[tuple[int, ...], int]:
-    """``(batch buckets, max_len)`` of an engine whose static buffers are one range of ``pool``.
-
-    ``max_len`` is the model's context: the longest sequence a valid request reaches, the length
-    chapter 4's rule sizes the pool by, so no request is ever too long for the static buffers. The
-    rows are the largest batch the batcher sends (``max_batch``), or, when the pool's largest free
-    range holds fewer sequences of ``max_len`` positions, as many as it holds: a larger batch then
-    runs as consecutive groups (:class:`StaticCacheRunner`), as chapter 4 runs a batch too large for
-    its pool. Nothing is refused here that chapter 4 serves (its sizing refuses a pool that cannot
-    hold one whole-context request, one line at start-up); the rows that do not fit are logged.
-    """
+    """``(batch buckets, max_len)`` of an engine whose static buffers are one range of ``pool``: ``max_len`` the model's
+    context, the rows ``max_batch`` or as many such sequences as the pool's largest free range holds, if fewer (a larger
+    batch then runs in groups). Raises ValueError when that range cannot hold one sequence."""
     max_len = pool.config.n_ctx
     fit = pool.stats().largest_free_blocks * pool.block_tokens // max_len
     if fit < 1:
@@ -141,12 +93,7 @@ def cudagraph_unavailable_reason(precision: str, device: torch.device) -> str | 
 
 class StaticSlotCache:
     """A :class:`~shared.model.KVCache` whose keys and values ARE the engine's static buffers (rows ``:batch_size``).
-
-    Handed out by :meth:`CudaGraphEngine.new_cache`. ``update`` copies new positions into place
-    (the prompt pass) and returns views; the engine's decode steps write their key and value inside
-    the graph and call :meth:`advance`. Closed when the engine hands out the next one or adopts
-    another cache: using it afterwards raises instead of reading someone else's keys.
-    """
+    Closed when the engine hands out the next cache or adopts another: using it afterwards raises."""
 
     def __init__(self, engine: CudaGraphEngine, batch_size: int, max_len: int) -> None:
         self.engine = engine
@@ -186,14 +133,9 @@ class StaticSlotCache:
 
 
 class CudaGraphEngine(Engine):
-    """Decode through static-shape steps, captured as CUDA graphs (``capture=True``) or run directly.
-
-    ``module`` is the (already cast) model, of either family. ``batch_buckets`` and ``length_buckets``
-    (ascending) are the static shapes; ``max_len`` (the longest sequence a batch may reach) defaults to the model's
-    context. The static keys and values are one range of ``pool`` (a chapter 4 pool in this
-    engine's dtype), or of a pool made for them when ``pool`` is None.
-    ``stats`` counts graph replays, uncaptured static steps, eager steps and adoptions.
-    """
+    """Decode through static-shape steps of the (cast) ``module``, captured as CUDA graphs (``capture=True``) or run
+    directly. ``max_len`` (the longest sequence a batch may reach) defaults to the model's context; the static keys and
+    values are one range of ``pool`` (in this engine's dtype), or of a pool made for them when it is None."""
 
     name = "cudagraph"
 
@@ -250,12 +192,9 @@ class CudaGraphEngine(Engine):
         """The dtype of the static keys and values at ``precision``: a pool handed in must hold it."""
         return _activation_dtype(precision, device)
 
-    # -- the two steps -----------------------------------------------------------------------
-
     @torch.no_grad()
     def prefill(self, input_ids: Tensor, position_ids: Tensor | None, attention_mask: Tensor | None, cache: KVCache | None) -> Tensor:
-        """Eager: prompt lengths change with every batch. With this engine's own cache the keys and
-        values land in the static buffers directly."""
+        """Eager (prompt lengths vary); with this engine's own cache the keys and values land in the static buffers."""
         if cache is not None and cache.seq_len != 0:
             raise ValueError(f"prefill needs an empty cache; this one holds {cache.seq_len} positions")
         return self._eager(input_ids, position_ids, attention_mask, cache)
@@ -268,7 +207,7 @@ class CudaGraphEngine(Engine):
         if past == 0:
             raise ValueError("decode needs a cache that holds the prompt: call prefill first")
         if new_tokens != 1:
-            # Several tokens per row (teacher forcing a span, speculation) is not a captured shape.
+            # several tokens per row is not a captured shape
             self.stats["eager_steps"] += 1
             return self._eager(input_ids, position_ids, attention_mask, cache)
         bucket = bucket_for(rows, self.batch_buckets)
@@ -291,8 +230,8 @@ class CudaGraphEngine(Engine):
         return logits
 
     def new_cache(self, batch_size: int, max_len: int) -> StaticSlotCache:
-        """A cache for ``batch_size`` rows of up to ``max_len`` positions inside the static buffers
-        (chapter 3's ``cache_factory``). Closes the one handed out before."""
+        """A cache for ``batch_size`` rows of up to ``max_len`` positions inside the static buffers (chapter 3's
+        ``cache_factory``); closes the one handed out before."""
         bucket_for(batch_size, self.batch_buckets)  # refuses a batch larger than the largest bucket
         if max_len > self.max_len:
             raise ValueError(f"{max_len} positions exceed this engine's static length of {self.max_len}")
@@ -312,18 +251,9 @@ class CudaGraphEngine(Engine):
         self.static_keys, self.static_values = [], []
         self.pool.free(self.block_range)
 
-    # -- the static-shape step -----------------------------------------------------------------
-
     def _static_step(self, rows: int, columns: int) -> None:
-        """One decode step for ``rows`` rows (a bucket) over ``columns`` key columns, reading only the
-        static buffers and writing the new keys, values and logits into them: what a graph records.
-
-        The model's forward is not reused because it builds its mask from the cache's Python
-        ``seq_len``, which a graph would freeze; here the write column and the mask are tensors. The
-        arithmetic is the model's, through the pieces every family offers (``embed``, each block's
-        ``attention_inputs`` and ``after_attention``, ``head``), with the same SDPA; only the
-        attention covers ``columns`` columns, the ones past each row's sequence masked out.
-        """
+        """One decode step for ``rows`` rows over ``columns`` key columns, only through the static buffers: what a graph
+        records. The model's pieces, not its forward, whose mask comes from the cache's Python ``seq_len``."""
         model = self.module
         mask = self._mask[:rows, :, :, :columns]
         positions = self._positions[:rows]
@@ -365,14 +295,11 @@ class CudaGraphEngine(Engine):
                 raise ValueError(f"attention_mask is {tuple(attention_mask.shape)}, expected ({rows}, {past + 1})")
             mask[:rows, : past + 1].copy_(attention_mask.bool())
         if bucket > rows:
-            # Padding rows: token 0 at position 0, seeing only their own new key (never a fully
-            # masked row, whose softmax would be NaN). Their logits are never returned.
+            # padding rows: token 0 at position 0, seeing only their own new key (a fully masked row's softmax is NaN)
             self._ids[rows:bucket].zero_()
             self._positions[rows:bucket].zero_()
             mask[rows:, past] = True
         self._write_column.fill_(past)
-
-    # -- other people's caches ------------------------------------------------------------------
 
     def _adopt(self, cache: KVCache, rows: int, past: int) -> None:
         """Make the static rows hold ``cache``'s ``past`` positions, copying them unless they already do."""
@@ -407,11 +334,8 @@ class CudaGraphEngine(Engine):
         logits = self.module(input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=cache, last_token_only=True)
         return logits[:, -1, :].float()
 
-    # -- capture (CUDA only) ----------------------------------------------------------------------
-
     def capture_all(self) -> int:
-        """Record one CUDA graph per (batch bucket, length bucket), largest first, sharing one memory
-        pool (a smaller graph reuses the larger ones' scratch memory). Returns how many were captured."""
+        """Record one CUDA graph per (batch bucket, length bucket), largest first, in one memory pool; returns how many."""
         if not self.captured:
             raise EngineUnavailable("this engine was built with capture=False")
         memory_pool = torch.cuda.graph_pool_handle()
@@ -425,7 +349,7 @@ class CudaGraphEngine(Engine):
 
     @torch.no_grad()
     def _capture(self, bucket: int, columns: int, memory_pool: object) -> torch.cuda.CUDAGraph:
-        # Warm up on a side stream first (cuBLAS handles, kernel selection), as torch's docs require.
+        # warm up on a side stream first (cuBLAS handles, kernel selection), as torch's docs require
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -446,11 +370,7 @@ def build_cudagraph(
     max_len: int | None = None,
     pool: KVMemoryPool | None = None,
 ) -> CudaGraphEngine:
-    """The ``cudagraph`` engine for ``model`` at ``precision`` (cast weights), every graph captured now.
-
-    Raises :class:`EngineUnavailable` without CUDA: the CPU has no kernel launches to record. (The
-    tests build :class:`CudaGraphEngine` with ``capture=False`` to run the static step on a CPU.)
-    """
+    """The ``cudagraph`` engine for ``model`` at ``precision``, every graph captured; :class:`EngineUnavailable` off CUDA."""
     reason = cudagraph_unavailable_reason(precision, model.device)
     if reason:
         raise EngineUnavailable(f"cudagraph/{precision}: {reason}")
@@ -470,15 +390,8 @@ def build_cudagraph(
 
 
 class StaticCacheRunner(PooledBatchRunner):
-    """Chapter 4's runner for a :class:`CudaGraphEngine` built on the runner's pool: each batch's
-    cache is the engine's own (:meth:`CudaGraphEngine.new_cache`), in the range the engine took from
-    the pool at start-up, so no decode step copies a cache (``engine.stats["adoptions"]`` stays 0).
-
-    A batch reserves nothing per batch: the engine's range is held from start-up to
-    :meth:`CudaGraphEngine.close`, and the pool's use shows it. A batch with more rows than the
-    static buffers runs as consecutive groups of at most ``engine.max_rows`` rows. ``slots_reserved``
-    counts the rows x positions each group's cache spans.
-    """
+    """Chapter 4's runner for a :class:`CudaGraphEngine` built on the runner's pool, each batch's cache the engine's own, in
+    groups of at most ``engine.max_rows`` rows; ``slots_reserved`` counts the rows x positions their caches span."""
 
     def __init__(self, engine: CudaGraphEngine, pad_id: int, prefill: Prefill) -> None:
         super().__init__(engine, engine.pool, pad_id, prefill)

@@ -1,36 +1,8 @@
 """Chapter 5's idea: the same model, run by an inference engine, at a chosen precision.
 
-An **engine** turns "these new tokens, this KV cache" into next-token logits through the same two
-steps as the model (:class:`shared.model.StepModel`), so chapter 3's step loop and chapter 4's
-pool-backed runner take an engine wherever they took the model, and nothing else changes:
-
-- ``prefill(input_ids, ...)``: the whole (left-padded) prompt, nothing cached yet;
-- ``decode(input_ids, ...)``: one new token per row, everything before it in the cache.
-
-This file holds the interface every engine implements, the eager engine and how a model is cast to
-another precision. The other engines live in their own modules (``compiled_engine``,
-``onnx_engine``, ``tensorrt_engine``), bf16 matrix products on the CPU in ``bf16_matmul``, and the
-rule that picks the default engine in ``engines``: each imports this file, never the other way.
-
-==============  =============================================================================
-``eager``       the plain PyTorch model, chapter 4's path. fp32 / fp16 / bf16 by casting the
-                weights (bf16 on a CPU: only the big matrix products, :mod:`bf16_matmul`);
-                int8 by torchao's dynamic quantization (int8 weights, activations quantized
-                per token at run time; weight-only int8 on CUDA).
-``compile``     ``torch.compile``: TorchDynamo captures the forward into graphs, TorchInductor
-                generates fused kernels (C++/OpenMP on the CPU, Triton on CUDA).
-``onnxruntime`` two exported ONNX graphs (prefill, and decode with past keys/values as inputs)
-                run by ONNX Runtime with its graph optimizer on; int8 by its dynamic quantization.
-``tensorrt``    Torch-TensorRT where it imports and a CUDA GPU is present; otherwise
-                unavailable, with the reason. Never faked.
-``cudagraph``   the decode step recorded as CUDA graphs over static buffers (bucketed batch
-                sizes, keys and values in one pool range), replayed each step; prefill eager.
-                CUDA only (``cudagraph_engine``).
-==============  =============================================================================
-
-An engine that cannot run here raises :class:`EngineUnavailable` with the reason; callers report it.
-Conversion cost (seconds, artifact bytes, whether the artifact came from the cache) is recorded on
-every engine in :class:`ConversionReport`.
+An engine offers the model's two steps (:class:`shared.model.StepModel`), so chapter 3's step loop and chapter 4's runner
+take it in the model's place. This module holds the interface, the eager engine and the precision casts; the other engines
+(:data:`ENGINES`) live in modules that import it.
 """
 
 from __future__ import annotations
@@ -59,7 +31,6 @@ class EngineUnavailable(RuntimeError):
 @dataclass
 class ConversionReport:
     """What it cost to turn the trained model into this engine."""
-
     seconds: float = 0.0  # wall time of the conversion (export, quantization, compilation warm-up)
     artifact_bytes: int | None = None  # size of what was written (ONNX files), None when nothing is
     artifact_paths: list[str] = field(default_factory=list)
@@ -70,21 +41,11 @@ class ConversionReport:
         return asdict(self)
 
 
-# ---------------------------------------------------------------------------------------------
-# The interface
-# ---------------------------------------------------------------------------------------------
-
-
 class Engine:
     """An inference engine: the model's two steps (:class:`shared.model.StepModel`), run another way.
 
-    ``prefill`` and ``decode`` return float32 logits of each row's LAST position, shape (B, V)
-    (generation needs no other position, and the exported graphs compute no other). ``cache``
-    follows :class:`shared.model.KVCache`; a prefill with ``cache=None`` throws its keys and values
-    away (what the accuracy measurement needs). ``dtype`` is the dtype of activations and of the keys
-    and values the engine stores: a KV cache or pool for this engine must use it.
-    """
-
+    Both return float32 logits (B, V) of each row's last position; a prefill with ``cache=None`` discards its keys and
+    values. ``dtype``, of activations and stored keys and values, is the one a KV cache or pool for this engine must use."""
     name: str = "?"
     precision: str = "fp32"
 
@@ -100,7 +61,7 @@ class Engine:
 
     @property
     def exact(self) -> bool:
-        """fp32 engines promise the oracle's greedy tokens; reduced precisions a measured tolerance."""
+        """Whether the engine promises the oracle's greedy tokens (fp32 only)."""
         return self.precision == "fp32"
 
     def prefill(self, input_ids: Tensor, position_ids: Tensor | None, attention_mask: Tensor | None, cache: KVCache | None) -> Tensor:
@@ -117,10 +78,7 @@ class Engine:
 
 
 class TorchModuleEngine(Engine):
-    """An engine that is a PyTorch module with the model's forward: eager, compiled, or TensorRT-compiled.
-
-    Both steps call the module's forward (a compiled module is compiled there), last position only.
-    """
+    """An engine that is a PyTorch module with the model's forward (eager, compiled, TensorRT): both steps call it."""
 
     def __init__(self, name: str, precision: str, module: nn.Module | object, config: ModelConfig,
                  device: torch.device, dtype: torch.dtype, conversion: ConversionReport) -> None:
@@ -136,11 +94,6 @@ class TorchModuleEngine(Engine):
     decode = _step
 
 
-# ---------------------------------------------------------------------------------------------
-# Precision: the same weights, fewer bits
-# ---------------------------------------------------------------------------------------------
-
-
 def torchao_missing_reason() -> str | None:
     """None when torchao (PyTorch's maintained quantization library) imports; else why not."""
     if importlib.util.find_spec("torchao") is None:
@@ -149,20 +102,11 @@ def torchao_missing_reason() -> str | None:
 
 
 def cast_model(model: DecoderModel, precision: str) -> DecoderModel:
-    """A copy of ``model`` at ``precision``; the original is never touched.
+    """A copy of ``model`` at ``precision``; the original is never touched. Raises :class:`EngineUnavailable`.
 
-    fp16 / bf16: every weight cast, so activations and the KV cache are 16-bit too. Except bf16 on
-    the CPU: only the big matrix products run in bf16 (:func:`with_bf16_matmuls`), the rest in fp32.
-    int8: torchao's ``quantize_`` on every ``nn.Linear`` of the blocks (the embedding, the norms and
-    the output layer, tied or not, stay fp32: the last decides the argmax). On the CPU: ``Int8DynamicActivationInt8WeightConfig`` (weights int8
-    per channel, each activation row quantized at run time, int8 x int8 matmuls). On CUDA:
-    ``Int8WeightOnlyConfig`` (weights int8, dequantized inside the matmul; decode on a GPU is
-    bound by reading weights, so halving their bytes is what pays there).
-
-    Why torchao and not ``torch.ao.quantization.quantize_dynamic``: torch 2.13 still ships the latter,
-    but every call warns that it is deprecated and points to torchao's ``quantize_``; a lesson
-    should teach the maintained API.
-    """
+    fp16 / bf16: every weight cast (bf16 on the CPU: only the big products, :func:`with_bf16_matmuls`). int8: torchao's
+    ``quantize_`` on the blocks' linear layers, activations per row on the CPU, weights only on CUDA (decode there is bound
+    by reading weights); the embedding, the norms and the output layer stay fp32."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose from {PRECISIONS}")
     converted = copy.deepcopy(model)
@@ -178,7 +122,6 @@ def cast_model(model: DecoderModel, precision: str) -> DecoderModel:
         Int8WeightOnlyConfig,
         quantize_,
     )
-
     config = Int8WeightOnlyConfig() if model.device.type == "cuda" else Int8DynamicActivationInt8WeightConfig()
     for block in converted.blocks:
         quantize_(block, config)
@@ -188,11 +131,6 @@ def cast_model(model: DecoderModel, precision: str) -> DecoderModel:
 def _check_16bit_supported(precision: str, device: torch.device) -> None:
     if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise EngineUnavailable("this GPU has no bf16 support (needs compute capability 8.0 or newer)")
-
-
-# ---------------------------------------------------------------------------------------------
-# eager
-# ---------------------------------------------------------------------------------------------
 
 
 def build_eager(model: DecoderModel, precision: str) -> TorchModuleEngine:
@@ -215,12 +153,8 @@ def build_eager(model: DecoderModel, precision: str) -> TorchModuleEngine:
 
 
 def multiplies_in_bf16(engine: Engine) -> bool:
-    """Whether ``engine`` computes any matrix product in bf16.
-
-    A bf16 engine on a CPU multiplies in bf16 only from the row count its start-up measured
-    (:func:`with_bf16_matmuls`); where bf16 lost at every size measured (a CPU without bf16
-    instructions), none at all: it then computes exactly as fp32 eager does, under another name.
-    """
+    """Whether ``engine`` computes any matrix product in bf16: a CPU bf16 engine whose start-up found bf16 slower at
+    every size (:func:`with_bf16_matmuls`) computes exactly as fp32 eager."""
     if engine.precision != "bf16":
         return False
     tuning = getattr(getattr(engine, "module", None), "bf16_tuning", None)
@@ -228,8 +162,7 @@ def multiplies_in_bf16(engine: Engine) -> bool:
 
 
 def _activation_dtype(precision: str, device: torch.device) -> torch.dtype:
-    """The dtype of activations and of the KV cache: int8 quantizes weights only, and bf16 on the CPU
-    multiplies in bf16 but keeps everything else fp32 (:class:`Bf16MatmulLinear`)."""
+    """The dtype of activations and of the KV cache: fp32 for int8, and for bf16 on the CPU (only products are bf16)."""
     if precision == "bf16" and device.type == "cpu":
         return torch.float32
     return TORCH_DTYPES.get(precision, torch.float32)
@@ -237,8 +170,7 @@ def _activation_dtype(precision: str, device: torch.device) -> torch.dtype:
 
 @torch.no_grad()
 def warm_up(engine: Engine, batch: int, padded: bool, prompt_len: int = 6, steps: int = 3) -> None:
-    """Drive ``engine`` through chapter 3's step loop: a prefill and a few decode steps, with left
-    padding (``padded``: the first row's prompt two tokens shorter) or without."""
+    """A prefill and ``steps`` decode steps of ``batch`` rows through chapter 3's step loop, the first row left-padded or not."""
     generator = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(0, engine.config.vocab_size, (prompt_len,), generator=generator).tolist() for _ in range(batch)]
     if padded:

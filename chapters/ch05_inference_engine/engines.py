@@ -1,11 +1,8 @@
 """Which engine and precision serve: every engine by name, and the rule that picks the default.
 
-``--engine`` and ``--precision`` name one explicitly. ``auto`` for both (the default) applies the
-rule of :func:`choose_default` (:data:`RULE`); ``auto`` beside a named one means eager or fp32, the baseline.
-
-The measurement takes a few seconds at the first start; its outcome is kept in the engine cache
-(keyed by the weights, the CPU or GPU, torch's version and the thread count), so later starts read it.
-A CPU without native bf16 gets int8 if int8 pays there, else fp32: whatever was measured, not assumed.
+``auto`` for both ``--engine`` and ``--precision`` applies :data:`RULE` (:func:`choose_default`), measured at the first
+start and kept in the engine cache, keyed by the weights, the processor, torch's version, the thread count and the rule;
+``auto`` beside a named one means eager or fp32, the baseline.
 """
 
 from __future__ import annotations
@@ -59,25 +56,20 @@ BUILDERS: dict[str, Callable[[DecoderModel, str], Engine]] = {
     "cudagraph": build_cudagraph,
 }
 
-# What ``auto`` measures. torch.compile is left out: it pays its compilation at every start, and
-# ONNX Runtime on the CPU: it lost to eager under the server's own batches (the README's tables).
+# What ``auto`` measures: not torch.compile (it pays its compilation at every start), nor ONNX Runtime on the CPU (README).
 CANDIDATES = {
     "cpu": (("eager", "fp32"), ("eager", "bf16"), ("eager", "int8")),
     "cuda": (("eager", "fp32"), ("eager", "fp16"), ("eager", "bf16"), ("tensorrt", "fp16"), ("tensorrt", "fp32"),
              ("cudagraph", "fp16"), ("cudagraph", "fp32")),
 }
 ACCURACY_TOLERANCE = 0.02  # task accuracy a reduced precision may lose against fp32 (2 points)
-# A faster candidate must beat fp32 eager by more than run-to-run noise before it is worth giving
-# up the oracle's exact tokens.
-MIN_SPEEDUP = 1.10
+MIN_SPEEDUP = 1.10  # a candidate must beat fp32 eager by more than noise to give up the oracle's exact tokens
 PROBE_BATCH, PROBE_PROMPT, PROBE_STEPS, PROBE_PAIRS, PROBE_ROUNDS = 32, 32, 8, 300, 3
 
 
 def unavailable_reason(engine: str, precision: str, device: torch.device) -> str | None:
-    """Why ``engine`` at ``precision`` cannot run on ``device``, or None when it should.
-
-    Cheap: imports and device checks only; building can still fail (and says why).
-    """
+    """Why ``engine`` at ``precision`` cannot run on ``device``, or None when it should (imports and device checks only:
+    building can still fail). Raises ValueError for an unknown engine or precision."""
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose from {ENGINES}")
     if precision not in PRECISIONS:
@@ -98,10 +90,8 @@ def unavailable_reason(engine: str, precision: str, device: torch.device) -> str
 
 
 def resolve_engine(model: DecoderModel, engine: str = "auto", precision: str = "auto") -> tuple[str, str]:
-    """The engine and precision ``engine`` and ``precision`` name for ``model``. ``auto`` for both:
-    :func:`choose_default`; ``auto`` for one of them: eager, or fp32. Raises :class:`EngineUnavailable`
-    (with the reason) when the named engine cannot run here.
-    """
+    """The engine and precision ``engine`` and ``precision`` name for ``model`` (``auto`` for both: :func:`choose_default`;
+    for one: eager, or fp32); raises :class:`EngineUnavailable`, with the reason, when that engine cannot run here."""
     if engine == "auto" and precision == "auto":
         engine, precision = choose_default(model)
     engine, precision = ("eager" if engine == "auto" else engine), ("fp32" if precision == "auto" else precision)
@@ -118,11 +108,8 @@ def build_engine(model: DecoderModel, engine: str = "auto", precision: str = "au
 
 
 def choose_default(model: DecoderModel) -> tuple[str, str]:
-    """The rule of this module's docstring, from the cached measurement when there is one.
-
-    A model the rule's accuracy task cannot score (:func:`accuracy_task_missing`) gets fp32 eager,
-    measured against nothing, and one log line that says why.
-    """
+    """:data:`RULE`'s pick, from the cached measurement when there is one; fp32 eager, unmeasured, for a model the rule's
+    accuracy task cannot score (:func:`accuracy_task_missing`)."""
     missing = accuracy_task_missing(model)
     if missing:
         log.info("auto engine: eager/fp32, nothing measured: %s", missing)
@@ -132,7 +119,7 @@ def choose_default(model: DecoderModel) -> tuple[str, str]:
     path = _choice_path(model, candidates)
     if path.exists():
         choice = json.loads(path.read_text())
-    else:  # say so: the measurement takes a while, longest on a CPU that is slow at int8
+    else:  # say so: the measurement takes a while
         log.info("auto engine: no measured choice in %s; measuring %s (%d rounds of a batch of %d prompts each, then "
                  "accuracy on %d held-out pairs); later starts read the outcome", path,
                  ", ".join(f"{e}/{p}" for e, p in candidates), PROBE_ROUNDS, PROBE_BATCH, PROBE_PAIRS)
@@ -158,13 +145,8 @@ def accuracy_task_missing(model: DecoderModel) -> str | None:
 
 
 def measure_candidates(model: DecoderModel, candidates: list[tuple[str, str]]) -> dict:
-    """Throughput and accuracy of each candidate (a few seconds each), and the rule's pick.
-
-    The candidates take turns, one probe each per round (PROBE_ROUNDS rounds, the median per
-    candidate), so that a shared machine's drift during the measurement hits them all alike. A bf16
-    candidate that computes exactly as fp32 eager (:func:`multiplies_in_bf16`) is not measured: only
-    noise could make it win, and winning would give up the exact tokens for nothing.
-    """
+    """``{"measured", "chosen", "rule"}``: each candidate's throughput (the median of PROBE_ROUNDS rounds of turns, so
+    drift hits all alike) and accuracy, and the rule's pick. A bf16 one computing as fp32 eager is not measured."""
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (PROBE_PROMPT,), generator=generator).tolist() for _ in range(PROBE_BATCH)]
     engines: dict[tuple[str, str], Engine] = {}
@@ -194,13 +176,9 @@ def measure_candidates(model: DecoderModel, candidates: list[tuple[str, str]]) -
 
 
 def pick(rows: list[dict]) -> tuple[str, str]:
-    """The rule itself: the fastest row within the accuracy tolerance that beats fp32 eager by MIN_SPEEDUP.
-
-    Each row is ``{"engine", "precision", "requests_per_s", "accuracy"}``, one of them eager/fp32
-    (the baseline). Eligible: accuracy at least the baseline's minus ``ACCURACY_TOLERANCE``, and
-    throughput at least ``MIN_SPEEDUP`` times the baseline's. Returns ``(engine, precision)`` of
-    the fastest eligible row, or the baseline's when none is eligible.
-    """
+    """The rule itself: ``(engine, precision)`` of the fastest of ``rows`` (``{"engine", "precision", "requests_per_s",
+    "accuracy"}``, one of them eager/fp32, the baseline) whose accuracy is at least the baseline's minus
+    ``ACCURACY_TOLERANCE`` and throughput at least ``MIN_SPEEDUP`` times the baseline's; the baseline if none is."""
     # EXERCISE ch05.2 BEGIN "the default-engine rule: the fastest accurate candidate that clearly beats fp32 eager"
     baseline = next(r for r in rows if (r["engine"], r["precision"]) == ("eager", "fp32"))
     eligible = [
@@ -210,11 +188,10 @@ def pick(rows: list[dict]) -> tuple[str, str]:
     ]
     best = max(eligible, key=lambda r: r["requests_per_s"], default=baseline)
     return best["engine"], best["precision"]
-    # EXERCISE ch05.2 END
 
 
 def _choice_path(model: DecoderModel, candidates: list[tuple[str, str]]) -> Path:
-    # The rule's text is in the key: a choice made by an older rule (or an older way of measuring) is measured again.
+    # the rule's text is in the key: a choice made under another rule is measured again
     key = f"{weights_fingerprint(model)}-{processor_name(model.device)}-{torch.__version__}-{torch.get_num_threads()}-{candidates}-{RULE}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return ENGINE_CACHE_DIR / f"auto-choice-{digest}.json"

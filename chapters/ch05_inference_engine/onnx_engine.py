@@ -1,13 +1,7 @@
 """The ``onnxruntime`` engine: the model exported to two ONNX graphs and run by ONNX Runtime.
 
-``torch.onnx.export(dynamo=True)`` writes a prefill graph and a decode graph (past keys and values
-as inputs, the new ones as outputs); ONNX Runtime runs them with its graph optimizer on (fusions).
-Either model family exports the same way: the graphs take the position ids (a GPT's position table,
-a Llama's rotary angles) and keys and values of the model's key/value heads (``config.kv_heads``).
-CPU execution provider; CUDA provider where present. int8 by ``quantize_dynamic``. Artifacts live
-under ``.cache/engines/`` (gitignored), keyed by a fingerprint of the weights, so a second start
-reuses them.
-"""
+Prefill and decode graphs (past keys and values in, the new ones out) run with the graph optimizer on; int8 by
+``quantize_dynamic``. Artifacts live in the engine cache, keyed by :func:`weights_fingerprint`."""
 
 from __future__ import annotations
 
@@ -36,8 +30,7 @@ def onnxruntime_missing_reason() -> str | None:
 
 
 class _GraphCache:
-    """The KV cache the model sees while it is being exported: past keys/values come in as graph
-    inputs, the new ones go out as graph outputs. (Only used at export time.)"""
+    """The KV cache the model sees while it is exported: past keys/values are graph inputs, the new ones graph outputs."""
 
     def __init__(self, past: list[tuple[Tensor, Tensor]] | None, n_layer: int) -> None:
         self.past = past
@@ -62,11 +55,8 @@ class _GraphCache:
 
 
 class _ExportedStep(nn.Module):
-    """The model's forward with the cache turned inside out: ``(ids, positions, mask, *past) -> (logits, *new kv)``.
-
-    ``logits`` is (B, V) for the last position; new keys/values are (B, H_kv, T, D), layer by layer,
-    key then value. The model's own forward runs unchanged: the graph is the lesson's model.
-    """
+    """The model's forward with the cache turned inside out: ``(ids, positions, mask, *past) -> (logits, *new kv)``;
+    ``logits`` is (B, V) for the last position; new keys/values are (B, H_kv, T, D), layer by layer, key then value."""
 
     def __init__(self, model: DecoderModel) -> None:
         super().__init__()
@@ -97,14 +87,8 @@ def weights_fingerprint(model: DecoderModel) -> str:
 
 
 def export_onnx(model: DecoderModel, directory: Path) -> tuple[Path, Path]:
-    """Write ``prefill.onnx`` and ``decode.onnx`` (fp32) for ``model`` into ``directory``.
-
-    Uses the maintained exporter (``torch.onnx.export(dynamo=True)``, built on ``torch.export``;
-    needs ``onnxscript``). Batch size, prompt length and past length are symbolic dimensions, so
-    one pair of graphs serves every batch. The decode graph takes exactly one new token per row, and
-    each layer's past keys and values as (B, H_kv, P, D): the key/value heads, fewer than the query
-    heads under grouped-query attention.
-    """
+    """Write ``prefill.onnx`` and ``decode.onnx`` (fp32) for ``model`` into ``directory``; returns their paths. Batch,
+    prompt and past lengths are symbolic; decode takes one token per row and past keys and values as (B, H_kv, P, D)."""
     config = model.config
     n_layer, kv_heads, head_dim = config.n_layer, config.kv_heads, config.head_dim
     cpu_model = copy.deepcopy(model).float().cpu().eval()
@@ -146,14 +130,12 @@ def _export(module: nn.Module, args: tuple, path: Path, input_names: list[str], 
 def quantize_onnx_int8(source: Path, target: Path) -> None:
     """ONNX Runtime's dynamic quantization: MatMul weights stored int8, activations quantized per call."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
-
     quantize_dynamic(str(source), str(target), weight_type=QuantType.QInt8)
 
 
 def onnx_providers(device: torch.device) -> list[str]:
     """CUDA's execution provider first when the model is on a GPU and ONNX Runtime has it; the CPU's always."""
     import onnxruntime as ort
-
     if device.type == "cuda" and "CUDAExecutionProvider" in ort.get_available_providers():
         return ["CUDAExecutionProvider", "CPUExecutionProvider"]
     return ["CPUExecutionProvider"]
@@ -170,14 +152,8 @@ def _onnx_precision_reason(precision: str, device: torch.device) -> str | None:
 
 
 class OnnxRuntimeEngine(Engine):
-    """Two ONNX Runtime sessions (prefill, decode) over any :class:`shared.model.KVCache`.
-
-    How it uses the cache: the graphs take past keys/values as inputs and return only the NEW ones,
-    which the engine stores with ``cache.update``; it reads the past with ``cache.read``. So chapter 4's
-    pool still owns all KV memory: ONNX Runtime reads the pool's views (one contiguous copy per
-    layer and step, as ONNX Runtime wants dense inputs) and allocates only the new position's
-    outputs and its own activations, from its own arena allocator (a memory pool of its own).
-    """
+    """Two ONNX Runtime sessions (prefill, decode) over any :class:`shared.model.KVCache`, which keeps owning all KV memory:
+    the past is read with ``cache.read`` (a dense copy per layer and step), the new keys and values stored with ``update``."""
 
     name = "onnxruntime"
 
@@ -227,7 +203,6 @@ class OnnxRuntimeEngine(Engine):
 
 def _session(path: Path, device: torch.device, optimized_path: Path | None = None):
     import onnxruntime as ort
-
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL  # the fusions
     options.intra_op_num_threads = torch.get_num_threads()  # the same cores PyTorch gets: a fair race
@@ -238,9 +213,8 @@ def _session(path: Path, device: torch.device, optimized_path: Path | None = Non
 
 
 def count_onnx_ops(path: Path) -> dict[str, int]:
-    """Operator histogram of an ONNX file: before/after fusion, for the lesson."""
+    """Operator histogram of an ONNX file, most frequent first."""
     import onnx
-
     counts: dict[str, int] = {}
     for node in onnx.load(str(path), load_external_data=False).graph.node:
         counts[node.op_type] = counts.get(node.op_type, 0) + 1
@@ -289,8 +263,7 @@ def build_onnxruntime(model: DecoderModel, precision: str, cache_dir: Path = ENG
 
 
 def _write_atomically(target: Path, write) -> None:
-    """Write into a temporary sibling folder and rename it into place, so a crash or a concurrent
-    process never leaves a half-written artifact that a later run would trust."""
+    """``write(folder)`` into a temporary sibling renamed to ``target``, so no half-written artifact is ever trusted."""
     tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -299,5 +272,3 @@ def _write_atomically(target: Path, write) -> None:
         shutil.rmtree(tmp)  # someone else finished first; theirs is as good as ours
         return
     tmp.rename(target)
-
-

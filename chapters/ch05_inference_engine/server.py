@@ -1,26 +1,8 @@
 """Chapter 5: chapter 4's server, its batches computed by an inference engine at a chosen precision.
 
-A request's life is chapter 4's, unchanged: admission control, the batcher, one padded batch at a
-time in the inference thread, a KV cache inside the pre-allocated pool. What changes is what
-computes each prefill and decode step: an :class:`~chapters.ch05_inference_engine.engine.Engine`
-chosen by ``--engine`` and ``--precision`` instead of the eager PyTorch model. The engine offers the
-model's two steps, so chapter 3's step loop drives it without knowing; the pool is allocated in the
-engine's dtype (16-bit keys and values, for fp16 and for bf16 on a GPU, take half the bytes; bf16 on
-a CPU keeps them in fp32).
-
-There is one pool, sized by chapter 4's rule. The ``cudagraph`` engine (named, or chosen by the rule
-on a GPU) is built ON it: its static keys and values are one range of that pool, as many rows as the
-largest batch at the model's whole context (fewer when the pool holds fewer: a larger batch then
-runs as consecutive groups, :func:`~chapters.ch05_inference_engine.cudagraph_engine.static_shape_in`),
-and each batch's cache is the engine's own, so no decode step copies a cache. That range is held
-from start-up, so the pool's use, which admission control reads as pressure, counts it; admission is
-chapter 4's otherwise (a full queue answers 429). Every other engine runs chapter 4's pooled caches.
-
-``--engine auto --precision auto`` (the default) serves what :func:`~chapters.ch05_inference_engine.
-engines.choose_default` measures to be fastest on this machine within the accuracy tolerance. The
-oracle's exact tokens are then a promise of ``--precision fp32`` only, which the cross-chapter tests
-use; the default's promise is the measured accuracy. The CPU fallback path of chapter 4 stays on the
-eager fp32 model: it is the slow, safe way out.
+A request's life is chapter 4's; its steps run on the engine that ``--engine`` and ``--precision`` name, over one pool in
+the engine's dtype (the ``cudagraph`` engine's static buffers are a range of it). The oracle's exact tokens are a promise
+of ``--precision fp32`` only; the CPU fallback stays on the eager fp32 model.
 """
 
 from __future__ import annotations
@@ -67,8 +49,7 @@ class EngineSettings(EngineOptions, PoolOptions, AdmissionOptions, BatcherOption
 
 
 def engine_for(settings: EngineOptions, loaded: LoadedModel) -> Engine:
-    """The engine the settings ask for; fails at start-up (with the reason) when it cannot run here,
-    rather than serving something else than was asked for."""
+    """The engine the settings ask for; fails at start-up, with the reason, rather than serve another."""
     return announced(or_meanwhile(lambda: build_engine(loaded.model, settings.engine, settings.precision),
                                   lambda: build_engine(loaded.model, "eager", "fp32"), "the engine is eager/fp32"))
 
@@ -88,7 +69,7 @@ def runner_for(settings: EngineSettings, loaded: LoadedModel) -> PooledBatchRunn
 
 
 def pooled_runner(settings: EngineSettings, loaded: LoadedModel, name: str, precision: str) -> PooledBatchRunner:
-    """Engine ``name`` at ``precision`` (already resolved) and the runner over the one pool (the module's docstring)."""
+    """Engine ``name`` at ``precision`` (already resolved) and the runner over the one pool."""
     model, pad_id = loaded.model, loaded.tokenizer.pad_id
     if name != "cudagraph":
         engine = announced(build_engine(model, name, precision))

@@ -1,8 +1,5 @@
-"""The ``tensorrt`` engine: Torch-TensorRT through its ``torch.compile`` backend, where it can run.
-
-Only on an NVIDIA GPU with ``torch_tensorrt`` installed; elsewhere :func:`tensorrt_missing_reason`
-says why, and the engine is never faked.
-"""
+"""The ``tensorrt`` engine: Torch-TensorRT through its ``torch.compile`` backend, on an NVIDIA GPU with ``torch_tensorrt``;
+elsewhere :func:`tensorrt_missing_reason` says why, and the engine is never faked."""
 
 from __future__ import annotations
 
@@ -33,20 +30,14 @@ def tensorrt_missing_reason(device: torch.device) -> str | None:
 
 
 def build_tensorrt(model: DecoderModel, precision: str) -> TorchModuleEngine:
-    """Torch-TensorRT through its ``torch.compile`` backend (no machine this project was measured
-    on had ``torch_tensorrt``: the README's tables say where it was unavailable and why).
-
-    TensorRT picks, per layer, the fastest of its kernels by timing them on this GPU (kernel
-    autotuning), fuses layers, and runs in the precisions it is allowed to use: the build is slow,
-    and the result belongs to this GPU model and TensorRT version.
-    """
+    """Torch-TensorRT through its ``torch.compile`` backend, warmed up (the builds) here; raises :class:`EngineUnavailable`
+    where it cannot run and for int8. The result belongs to this GPU model and TensorRT version."""
     reason = tensorrt_missing_reason(model.device)
     if reason:
         raise EngineUnavailable(reason)
     if precision == "int8":
         raise EngineUnavailable("TensorRT int8 needs calibration data or a quantized (Q/DQ) model; not built here")
     import torch_tensorrt  # noqa: F401  (registers the "tensorrt" backend)
-
     started = time.perf_counter()
     base = model if precision == "fp32" else cast_model(model, precision)
     options = {"enabled_precisions": {TORCH_DTYPES[precision]}, "min_block_size": 1}
@@ -60,5 +51,3 @@ def build_tensorrt(model: DecoderModel, precision: str) -> TorchModuleEngine:
     engine.conversion = ConversionReport(seconds=time.perf_counter() - started,
                                          notes=["torch.compile(backend='tensorrt'); seconds include the engine builds"])
     return engine
-
-

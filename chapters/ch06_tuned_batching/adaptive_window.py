@@ -1,22 +1,4 @@
-"""The adaptive window: wait for company only when company is likely to come.
-
-Chapter 3's batcher waits up to a fixed window for a batch to fill. Under load that wait buys a
-bigger batch; at low traffic it buys nothing: a lone request sits out the whole window and leaves
-alone anyway. The article saw this as a latency spike at low traffic (P50 50 ms, P99 800 ms) and
-fixed it with a rule: a 1 ms window while the queue is short, the full window under load.
-
-In chapter 3's batcher a queue of ``min_batch`` already leaves at once, so "the queue is short" is
-the only case in which the window is ever waited; what tells load from quiet is the arrival rate.
-The rule here: wait the tuned window only if at least one more request is expected within it
-(rate x window >= 1); otherwise wait ``min_window_s`` (about 1 ms, to catch a burst arriving together).
-
-The rate must see bursts. Under a closed loop the users of a finished batch come back together,
-after a silence as long as the batch took; a slowly moving average of the gaps still remembers the
-silence when the burst arrives, so it would send the burst's first request or two alone and make the
-rest wait a whole batch behind them. On a GPU, where a batch of 2 costs nearly what a batch of 64
-does, that halved throughput at 16 and 64 users (benchmarks/reference/gpu). So the rate also looks
-at the latest gap: a request that came right after another says company is arriving now.
-"""
+"""The adaptive window: the batcher waits its tuned window only when another request is expected within it, else a floor."""
 
 from __future__ import annotations
 
@@ -43,22 +25,15 @@ class ArrivalRate:
             self.mean_gap_s = gap if self.mean_gap_s is None else self.mean_gap_s + self.smoothing * (gap - self.mean_gap_s)
             self.last_gap_s = gap
         self.last_arrival = now
-        # EXERCISE ch06.2 END
 
     def expected_within(self, window_s: float, now: float) -> float:
-        """Arrivals expected in the next ``window_s`` seconds; 0 until two arrivals were seen.
-
-        The gap used is the shorter of the mean and the latest one (a burst shows in the latest gap
-        before the mean catches up), but never shorter than the silence since the last arrival:
-        the rate cannot be higher than one arrival per silence, so a burst long past does not keep
-        the window wide.
-        """
+        """Arrivals expected in the next ``window_s`` seconds (0 until two arrivals were seen), at one per gap: the shorter of the
+        mean and the latest gap, but never shorter than the silence since the last arrival (a burst long past is forgotten)."""
         # EXERCISE ch06.2 BEGIN "the arrival rate: a smoothed gap and the latest one"
         if self.mean_gap_s is None or self.last_gap_s is None or self.last_arrival is None:
             return 0.0
         gap = max(min(self.mean_gap_s, self.last_gap_s), now - self.last_arrival, 1e-9)
         return window_s / gap
-        # EXERCISE ch06.2 END
 
 
 class AdaptiveBatcher(DynamicBatcher):
@@ -81,7 +56,6 @@ class AdaptiveBatcher(DynamicBatcher):
         # EXERCISE ch06.1 BEGIN "the adaptive window rule"
         expected = self.arrivals.expected_within(self.config.window_s, self._clock.now())
         return self.config.window_s if expected >= 1.0 else self.min_window_s
-        # EXERCISE ch06.1 END
 
     def describe(self) -> dict:
         gap = self.arrivals.mean_gap_s

@@ -1,13 +1,4 @@
-"""Chapter 6: the batcher tuned. An adaptive window, a larger batch, knobs chosen by measurement.
-
-A request's life is chapter 5's (admission control, the KV pool, the engine). Two things change:
-
-- the batcher is :class:`~chapters.ch06_tuned_batching.adaptive_window.AdaptiveBatcher`: about 1 ms
-  of waiting when no company is coming, the tuned window under load;
-- ``max_batch``, ``min_batch`` and ``window_ms`` come from ``tuned.json``, which the autotuner
-  (``python -m benchmarks.autotune``, a harness tool) writes after sweeping them with the
-  benchmark harness. Flags and ``SFS_*`` variables still override the file.
-"""
+"""Chapter 6: chapter 5's server with the adaptive batcher, its knobs from ``tuned.json`` unless a flag or variable sets them."""
 
 from __future__ import annotations
 
@@ -38,8 +29,7 @@ TUNED_FIELDS = ("max_batch", "min_batch", "window_ms")
 
 
 class TunedBatcherOptions(BatcherOptions):
-    """Chapter 3's batcher knobs with the article's final defaults (until ``tuned.json`` says otherwise),
-    the adaptive window's floor, and where the tuned file is: an option group chapters 6 and 7 compose."""
+    """Chapter 3's batcher knobs, the adaptive window's floor, and the tuned file: an option group chapters 6 and 7 compose."""
 
     max_batch: int = Field(64, ge=1, description="most requests in one batch")
     min_batch: int = Field(16, ge=1, description="a batch leaves at once when this many requests are waiting")
@@ -56,12 +46,8 @@ TunedOptionsT = TypeVar("TunedOptionsT", bound=TunedBatcherOptions)
 
 
 def apply_tuned_config(settings: TunedOptionsT) -> TunedOptionsT:
-    """Take the batcher's knobs from the tuned file, except those set by a flag or an environment variable.
-
-    The knobs are :data:`TUNED_FIELDS`, read from the file's ``"chosen"`` object; a knob the settings
-    were given explicitly (a flag or an ``SFS_*`` variable: it is in ``model_fields_set``) keeps its
-    value. ``tuned_config == "none"`` or a missing file: the settings unchanged. Returns a new object.
-    """
+    """A copy of ``settings`` with :data:`TUNED_FIELDS` from the tuned file's ``"chosen"``, except those in ``model_fields_set``
+    (a flag or an ``SFS_*`` variable); ``settings`` itself when ``tuned_config`` is ``"none"`` or the file is missing."""
     # EXERCISE ch06.3 BEGIN "the tuned file's knobs, unless a flag or an environment variable set them"
     path = Path(settings.tuned_config)
     if settings.tuned_config == "none" or not path.exists():
@@ -69,7 +55,6 @@ def apply_tuned_config(settings: TunedOptionsT) -> TunedOptionsT:
     chosen = json.loads(path.read_text())["chosen"]
     updates = {name: chosen[name] for name in TUNED_FIELDS if name not in settings.model_fields_set}
     return settings.model_copy(update=updates)
-    # EXERCISE ch06.3 END
 
 
 def build_backend(settings: TunedSettings, loaded: LoadedModel) -> PooledBackend:

@@ -1,18 +1,8 @@
 """Deadlines and disconnects: how long one request may take, and when nobody waits for it any more.
 
-A request past its deadline gets 504 with the contract's error body. The handler's await is
-cancelled: a request still in the batcher's queue leaves it at once (chapter 3's ``submit`` path)
-and gives its admission slot back. A request whose batch already started cannot be pulled out of
-that batch (batching is per request until chapter 8): the client hears 504 now, the row finishes
-computing, and its KV range returns to the pool when the batch ends.
-
-A client that hangs up is treated the same way (:func:`until_disconnected`): chapter 3's batcher
-drops one that left while *queued* (499); here the handler also watches a request while it *runs*,
-and cancels its await when the client is gone. It does not poll the connection: once the handler has
-read the body, the next ``receive`` of the request's ASGI channel returns only when the connection
-closes (``http.disconnect``), so one waiting task per request is all the watching costs: nothing
-runs for it while the client stays (vLLM's API server watches the same way). :class:`ClientChannel`
-makes each request's channel reachable from the shell.
+A request past its deadline gets 504 (:func:`within_deadline`), one whose client hangs up 499 (:func:`until_disconnected`):
+either way the handler's await is cancelled, so a queued request leaves the queue at once, and a running one's row
+finishes computing and is freed when its batch ends. :class:`ClientChannel` makes each request's ASGI channel reachable.
 """
 
 from __future__ import annotations
@@ -33,12 +23,8 @@ T = TypeVar("T")
 
 
 def effective_timeout(server_timeout_s: float, header_value: str | None) -> float:
-    """The deadline, in seconds, that applies to one request.
-
-    ``server_timeout_s`` is the server's limit; a client may ask for a shorter one with the
-    ``X-Request-Timeout-S`` header (a positive number of seconds), never a longer one: a larger value
-    is capped at the server's. A header that is not a positive finite number raises 422.
-    """
+    """The deadline, in seconds, of one request: ``server_timeout_s``, or the ``X-Request-Timeout-S`` header's if shorter
+    (a larger one is capped); a header that is not a positive finite number of seconds raises 422."""
     # EXERCISE ch07.1 BEGIN "the deadline: the server's limit, or the client's if shorter"
     if header_value is None or header_value.strip() == "":
         return server_timeout_s
@@ -49,7 +35,6 @@ def effective_timeout(server_timeout_s: float, header_value: str | None) -> floa
     if not asked > 0 or asked == float("inf"):  # also rejects NaN
         raise ApiError(422, "invalid_request", f"{TIMEOUT_HEADER}: must be a positive number of seconds, got {header_value!r}")
     return min(asked, server_timeout_s)
-    # EXERCISE ch07.1 END
 
 
 async def within_deadline(work: Awaitable[T], timeout_s: float) -> T:
@@ -61,16 +46,13 @@ async def within_deadline(work: Awaitable[T], timeout_s: float) -> T:
         raise ApiError(504, "deadline_exceeded", f"the request did not finish within its deadline of {timeout_s:g} s") from None
 
 
-# What the handler ends with when its client left while the request was queued or running (nginx's
-# 499, as chapter 3's batcher answers for a client gone while queued). Nobody reads this answer:
-# the status is for the metrics (kind "disconnected") and the request's log line.
+# nginx's status for a client gone while its request was queued or running: only the metrics and the log read it
 DISCONNECTED_STATUS = 499
 
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]  # an ASGI request's receive channel
 
-# The receive channel of the HTTP request being handled (set by :class:`ClientChannel`), or None
-# outside one (a direct caller, the readiness probe): nobody to watch.
+# the receive channel of the HTTP request being handled (set by ClientChannel); None outside one: nobody to watch
 client_receive: ContextVar[Receive | None] = ContextVar("client_receive", default=None)
 
 
@@ -98,13 +80,8 @@ async def hang_up(receive: Receive) -> None:
 
 
 async def until_disconnected(work: Awaitable[T], receive: Receive) -> T:
-    """Await ``work`` unless the client behind ``receive`` hangs up first: then cancel it and raise 499.
-
-    Returns ``work``'s result, or raises 499 ``client_disconnected`` once :func:`hang_up` returns
-    (``work`` is cancelled first: a queued request leaves the queue and gives back its admission
-    slot; a running one leaves nothing behind but its row, freed when its batch ends). A channel
-    that fails cannot tell: it is logged and the work goes on.
-    """
+    """``work``'s result, unless the client behind ``receive`` hangs up first: then ``work`` is cancelled and 499
+    ``client_disconnected`` raised. A channel that fails is logged and the work goes on."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(hang_up(receive))
     try:
@@ -118,20 +95,15 @@ async def until_disconnected(work: Awaitable[T], receive: Receive) -> T:
         await asyncio.gather(task, return_exceptions=True)
         raise ApiError(DISCONNECTED_STATUS, "client_disconnected", "the client disconnected while its request was running")
     finally:
-        # However it ended (cancelled from outside by the deadline, too): neither task outlives the request.
+        # however it ended (the deadline's cancel too), neither task outlives the request
         for pending in (task, watcher):
             if not pending.done():
                 pending.cancel()
 
 
 class StreamDeadline:
-    """One deadline for a whole stream of events, on the event loop's clock.
-
-    :meth:`next` is the stream's next event, or :class:`TimeoutError` once the deadline has passed,
-    whether it passes while the stream waits (the wait is cancelled) or between two events. One
-    timer per stream: a timer per wait (``asyncio.timeout_at`` around each token) puts a timer on
-    the event loop's heap per token, which the event loop, shared by every request, pays for.
-    """
+    """One deadline for a whole stream of events, on the event loop's clock, with one timer per stream (not one per
+    token on the shared event loop's heap). :meth:`next` raises :class:`TimeoutError` once the deadline has passed."""
 
     def __init__(self, deadline: float) -> None:
         self.deadline = deadline
@@ -149,7 +121,7 @@ class StreamDeadline:
         try:
             return await anext(events)
         except asyncio.CancelledError:
-            # Ours (the timer's, and nobody else asked to cancel this task): the deadline.
+            # the timer's cancel, and nobody else's: the deadline
             if self.expired and task is not None and task.uncancel() == 0:
                 raise TimeoutError from None
             raise

@@ -1,11 +1,8 @@
 """Graceful drain: on SIGTERM stop being ready, refuse new work with 503, finish what was accepted, then exit.
 
-uvicorn's own SIGTERM handling closes the listening socket at once, so a request that arrives during
-the drain gets a refused connection, not an answer. :class:`DrainingServer` takes the signal itself:
-the :class:`DrainController` flips to draining (``/readyz`` turns 503 and new requests get 503 with
-``Retry-After``, so the load balancer takes the instance out and clients retry elsewhere), waits for
-the requests in flight to reach zero or for the drain timeout, logs what it cut off, and only then
-tells uvicorn to exit. A second signal exits at once.
+:class:`DrainingServer` takes the signal from uvicorn (which would close the listening socket at once): the
+:class:`DrainController` turns ``/readyz`` and new requests to 503 with ``Retry-After``, waits for the requests in flight
+or the drain timeout, and only then lets uvicorn exit. A second signal exits at once.
 """
 
 from __future__ import annotations
@@ -57,11 +54,8 @@ class DrainController:
             self._idle.set()
 
     async def drain(self) -> DrainReport:
-        """Stop taking requests, wait until none is in flight or ``timeout_s`` passed; log the outcome.
-
-        Returns how long it waited and how many requests were still in flight when it gave up
-        (0 when everything accepted was answered).
-        """
+        """Stop taking requests, wait until none is in flight or ``timeout_s`` passed, log the outcome; returns how long it
+        waited and how many requests were still in flight (0 when everything accepted was answered)."""
         # EXERCISE ch07.2 BEGIN "the drain sequence: refuse new work, wait for in-flight to reach zero, bounded"
         started = time.monotonic()
         self.draining = True
@@ -76,7 +70,6 @@ class DrainController:
         else:
             log.info("drained in %.2f s: every accepted request was answered", report.waited_s)
         return report
-        # EXERCISE ch07.2 END
 
 
 class DrainingServer(LiveViewServer):

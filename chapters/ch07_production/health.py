@@ -1,13 +1,7 @@
 """Health that cannot lie: liveness is "the event loop answers", readiness is "a real request is answered now".
 
-A readiness check that only returns ``{"status": "ok"}`` stays green while the device is wedged, the
-weights are corrupt or every forward pass takes ten seconds. :class:`ReadinessProbe` sends one tiny
-real request (a fixed prompt, two new tokens) through the backend that serves, the same engine,
-batcher and KV memory as every client's, every ``interval_s``, bounded by ``timeout_s``; readiness
-is the last probe's verdict. A probe that fails, or takes longer than its timeout, makes the
-instance not ready until a later probe passes. A probe refused with 429 counts as passed: the
-backend answered, it is busy and protecting itself, and taking a busy instance out of rotation
-would only move its load onto the others.
+:class:`ReadinessProbe` sends one tiny real request through the serving backend every ``interval_s``, bounded by
+``timeout_s``; readiness is the last probe's verdict. A probe refused with 429 passes: the backend answered, busy.
 """
 
 from __future__ import annotations

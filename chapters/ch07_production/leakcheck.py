@@ -1,21 +1,9 @@
 """Leak hunting, the article's method: send many requests, a share of them failing, and watch memory per request.
 
-Step one of the article is to establish that memory really grows with traffic rather than with
-time. This command serves chapter 7 in-process (the real app on an ASGI transport: no sockets, no
-second process), sends ``--requests`` requests of which ``--fail-share`` fail past a deadline (504,
-the same error path a timeout takes in production), and compares memory after a warm-up with
-memory at the end: the bytes of live tensors the garbage collector reaches, the Python heap
-(tracemalloc), on a GPU what torch allocated, and the process's RSS (reported, not judged). Growth is reported per
-1,000 requests; above ``--threshold-mb`` it is flagged as a leak.
-
-``--leak-lesson leaky`` reproduces the article's leak (a per-request intermediate tensor released
-on the success path only); ``fixed`` releases it in ``finally``; ``off`` (production) has no
-such tensor at all.
-
-    python -m chapters.ch07_production.leakcheck --requests 2000 --fail-share 0.2 --leak-lesson leaky
-
-``--samples N`` measures memory after every ``requests / N`` requests as well (the curve a notebook
-plots: ``notebooks/ch07_production.ipynb``); ``--out FILE`` writes the report, curve included, as JSON.
+Serves chapter 7 in-process (an ASGI transport), sends ``--requests`` requests of which ``--fail-share`` fail past a
+deadline (504), and reports memory growth per 1,000 requests after a warm-up (live tensors, the Python heap, the device;
+RSS reported, not judged); above ``--threshold-mb`` it is a leak. ``--leak-lesson leaky`` releases a per-request tensor
+on the success path only, ``fixed`` in ``finally``, ``off`` has none. Exit status 1 on a leak.
 """
 
 from __future__ import annotations
@@ -51,17 +39,13 @@ class LeakReport:
     python_heap_growth_mb_per_1000: float
     live_tensor_growth_mb_per_1000: float
     threshold_mb: float
-    # Memory after the warm-up, then after each further share of the requests: one dict per sample
-    # (requests sent so far, failed so far, and the four figures in MiB).
+    # memory after the warm-up, then after each further share of the requests: requests and failed so far, figures in MiB
     series: tuple[dict, ...] = ()
 
     @property
     def leaking(self) -> bool:
-        """Judged on what the garbage collector can reach (tensors, Python objects) and the device.
-
-        RSS is reported but not judged: the C allocator keeps freed pages, so a short run's RSS
-        moves by megabytes without a leak; it is the figure to watch over hours, not over seconds.
-        """
+        """Judged on what the garbage collector can reach (tensors, Python objects) and the device, not on RSS: the C
+        allocator keeps freed pages, so a short run's RSS moves without a leak."""
         grown = max(self.live_tensor_growth_mb_per_1000, self.device_growth_mb_per_1000 or 0.0, self.python_heap_growth_mb_per_1000)
         return grown > self.threshold_mb
 
@@ -99,10 +83,8 @@ def _sample(sent: int, failed: int, figures: tuple[int, int | None, int, int]) -
 async def run_leakcheck(leak_lesson: str = "fixed", requests: int = 2000, fail_share: float = 0.2, warmup: int = 200,
                         concurrency: int = 8, threshold_mb: float = 8.0, seed: int = 0, device: str = "cpu",
                         samples: int = 1) -> LeakReport:
-    """Serve, warm up, measure, send ``requests`` more, measure again: the growth per 1,000 requests.
-
-    With ``samples`` > 1 the requests go in that many equal shares, memory measured after each
-    (``LeakReport.series``); the growth is still the last measurement against the first."""
+    """Serve, warm up, measure, send ``requests`` more in ``samples`` equal shares, measuring after each
+    (``LeakReport.series``): the growth per 1,000 requests, the last measurement against the first."""
     if not 0.0 <= fail_share <= 1.0:
         raise ValueError(f"fail_share must be within [0, 1], got {fail_share}")
     if not 1 <= samples <= max(1, requests):

@@ -1,12 +1,8 @@
 """Prometheus metrics: the article's four, plus latency by stage, errors by kind, batches, the KV pool, tokens, versions.
 
-Two kinds of series. Those that change per request (latency, status, stages, errors, tokens) are
-recorded by the request middleware when the response is sent. Those that describe a state (queue
-length, memory, the pool, the batch-size histogram the batcher already counts, the loaded
-versions) are read at scrape time by :class:`StateCollector`, so the hot path pays nothing for them
-and no earlier chapter needs a hook. The collector knows no backend class: a STATE READER, passed
-in by whoever composes the server, turns a backend into a :class:`BackendState` of plain numbers
-(:func:`pooled_state` reads chapter 6's backend; chapter 8 passes its own).
+Per-request series (:class:`RequestMetrics`) are recorded when the response is sent; state (queue, memory, the pool,
+batch sizes, versions) is read at scrape time by :class:`StateCollector`, through a state reader that turns any backend
+into a :class:`BackendState` of plain numbers (:func:`pooled_state` for chapters 4-6).
 """
 
 from __future__ import annotations
@@ -21,8 +17,7 @@ from prometheus_client.registry import Collector
 
 from shared.devices import memory_snapshot
 
-# The article's buckets for whole-request latency, in seconds.
-LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)  # seconds, the article's
 STAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Stages a request's timings_ms may hold (chapters 2-6) plus postprocess, measured here.
@@ -98,12 +93,8 @@ StateReader = Callable[[object], BackendState]
 
 
 class StateCollector(Collector):
-    """Reads the server's state when Prometheus scrapes.
-
-    ``versions`` returns ``(name, source, state, in_flight)`` for each loaded version, ``state`` a
-    :class:`BackendState`; ``device`` and ``ready`` describe the process. A version that is
-    unloaded keeps its batch-size counts here (the counter must never go down).
-    """
+    """Reads the server's state when Prometheus scrapes: ``versions`` returns ``(name, source, state, in_flight)`` per
+    loaded version; an unloaded version keeps its batch-size counts here (a counter never goes down)."""
 
     def __init__(self, versions: Callable[[], Iterable[tuple[str, str, BackendState, int]]], device: Callable[[], object],
                  ready: Callable[[], bool]) -> None:

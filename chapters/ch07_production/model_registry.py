@@ -1,11 +1,7 @@
 """Hot model reload: versions side by side, requests routed to the newest, the old one unloaded by reference count.
 
-Each :class:`ModelVersion` counts the requests using it. Loading a new version makes it the default
-for new requests at once; the versions it replaces are *retired*: no new request goes to them,
-the ones they are computing finish, and when a retired version's count reaches zero its backend
-is closed and every reference to its weights, engine and KV pool dropped, so the memory returns.
-A version that never drains (a stuck request) is unloaded anyway after ``max_unload_wait_s``, and
-the log says how many requests it cut off.
+A new version takes new requests at once; the versions it replaces are retired: their requests finish, then (or after
+``max_unload_wait_s``, cutting off the rest) their backend is closed and every reference to their memory dropped.
 """
 
 from __future__ import annotations
@@ -105,11 +101,8 @@ class ModelRegistry:
                 task.add_done_callback(self._retiring.discard)
 
     async def retire(self, version: ModelVersion) -> Unloaded:
-        """Wait until nobody uses ``version`` (at most ``max_unload_wait_s``), then unload it.
-
-        Unloading closes its backend (the batcher computes what it still holds and stops its
-        thread), removes it from :attr:`versions` and drops the references to its model and pool.
-        """
+        """Wait until nobody uses ``version`` (at most ``max_unload_wait_s``), then close its backend, remove it from
+        :attr:`versions` and drop the references to its model and pool."""
         # EXERCISE ch07.3 BEGIN "reference-counted unload, forced after a maximum wait"
         version.retired = True
         forced = False

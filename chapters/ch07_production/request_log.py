@@ -1,13 +1,8 @@
 """One structured JSON log line per request, and the per-request context the backend fills in.
 
-:class:`RequestObserver` is a plain ASGI middleware around every route that generates (each ``POST``
-under ``/v1/``: ``/v1/inference``, and the OpenAI routes of a server that adds them): it gives the
-request its id (the client's ``X-Request-ID`` when sane, else a fresh one; every answer carries it in
-that header, errors included), opens a
-:class:`RequestContext` the backend writes into (model version, lengths, stage timings), and when
-the response has been sent records the metrics and writes one line through the standard
-``logging`` module, formatted as JSON by python-json-logger. The line never holds the prompt or
-the output: lengths only (they may be private, and they are large).
+:class:`RequestObserver` wraps each ``POST`` under ``/v1/``: it gives the request its id (the client's ``X-Request-ID``
+when sane, else a fresh one, echoed in every answer), opens the :class:`RequestContext` the backend fills in, and once the
+response is sent records the metrics and logs one JSON line, lengths only: never the prompt or the output.
 """
 
 from __future__ import annotations
@@ -69,7 +64,7 @@ class RequestObserver:
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         context = RequestContext(request_id_from(headers.get(REQUEST_ID_HEADER.lower())), headers)
-        # create_app reads the id from request.state, which Starlette keeps in scope["state"].
+        # create_app reads the id from request.state, which Starlette keeps in scope["state"]
         scope.setdefault("state", {})["request_id"] = context.request_id
         token = current_request.set(context)
         status, error_body = 500, bytearray()

@@ -1,26 +1,9 @@
 """Chapter 7: production. Chapter 6's server, wrapped in what keeps it alive and visible.
 
-Nothing about how a batch is computed changes: each model version is chapter 6's backend (adaptive
-batcher, engine, KV pool, admission control), built by chapter 6's ``build_backend``. What this
-chapter adds sits around it, in :class:`ProductionBackend` and a few routes, and it knows the
-backend only through chapter 2's :class:`~chapters.ch02_fastapi_async.api.Backend` interface: the
-same shell wraps any backend (chapter 8 puts its continuous batcher inside it) given how to build
-one (``backend_factory``) and how to read its state for ``/metrics`` (``read_state``).
-
-- ``/livez``: the event loop answers. ``/readyz``: a model is loaded, the server is not draining,
-  and the last periodic real request through the serving backend (``health.py``) was answered in
-  time. ``/healthz`` stays.
-- SIGTERM drains (``drain.py``): readiness 503 at once, new requests 503 + Retry-After, accepted
-  ones finish, exit when idle or at ``--drain-timeout-s``.
-- Deadlines (``deadlines.py``): ``--request-timeout-s``, or a shorter ``X-Request-Timeout-S``: 504.
-  A client that disconnects, queued or running, is cancelled the same way (499, counted as
-  ``disconnected``).
-- ``/metrics`` (``metrics.py``) and one JSON log line per request (``request_log.py``).
-- ``POST /admin/models`` (``model_registry.py``): load a version beside the running one, route new
-  requests to it, unload the old one when its last request is done.
-- A backend that streams (``open_stream``, chapter 8's) is streamed through the same drain,
-  version count, deadline and disconnect handling (:meth:`ProductionBackend.open_stream`).
-- ``--leak-lesson leaky|fixed`` and ``leakcheck.py``: the article's leak, reproduced and caught.
+Each model version is a backend (chapter 6's ``build_backend``, or any ``backend_factory``) known only through chapter 2's
+:class:`~chapters.ch02_fastapi_async.api.Backend`. :class:`ProductionBackend` and the routes add around it: ``/livez``,
+``/readyz`` (:mod:`health`), the SIGTERM drain (:mod:`drain`), deadlines and disconnects (:mod:`deadlines`), ``/metrics``
+and a JSON log line per request, hot reload through ``POST /admin/models``, and ``--leak-lesson``.
 """
 
 from __future__ import annotations
@@ -80,10 +63,9 @@ from shared.weights import LoadedModel, load_served_model
 
 log = logging.getLogger("chapters.ch07_production")
 
-# Builds one version's backend from the server's settings and its loaded model; chapter 7 passes
-# chapter 6's build_backend, chapter 8 its continuous backend, tests one with a slow or failing model.
+# builds one version's backend from the server's settings and its loaded model
 BackendFactory = Callable[[Any, LoadedModel], Backend]
-# What the live page (chapter 3's /ui/) watches in a backend: chapter 6's batcher here, chapter 8's step thread.
+# what the live page (chapter 3's /ui/) watches in a backend
 EventsReader = Callable[[Any], LiveEvents]
 
 
@@ -176,12 +158,8 @@ class ProductionBackend:
         return result
 
     def snapshot(self, context: RequestContext | None, stage: str) -> None:
-        """With ``--memory-snapshots``: the memory in use as the request enters ``stage``, for its log line.
-
-        RSS and, when tracing, the Python heap tracemalloc follows (the server starts tracing with the
-        flag); on CUDA what torch allocated and reserved. A figure that grows from arrival to
-        generated, request after request, and never comes back is where to look for a leak.
-        """
+        """With ``--memory-snapshots``: the memory in use (RSS, the traced Python heap, CUDA's) as the request enters
+        ``stage``, kept in ``context`` for its log line."""
         if not self.settings.memory_snapshots or context is None:
             return
         figures = memory_snapshot(self.staging_device)
@@ -191,16 +169,13 @@ class ProductionBackend:
 
     async def _generate_on(self, backend: Backend, request: ValidRequest, is_disconnected: DisconnectCheck,
                            timeout_s: float) -> Generated:
-        # A per-request intermediate on the model's device (here: the prompt's ids staged in a
-        # context-sized buffer), kept in a table while the request is in flight so a memory report
-        # can attribute it. What matters is the way out of the table.
+        # a per-request intermediate on the model's device, kept in a table while the request is in flight
         if self.settings.leak_lesson == "off":
             return await self._watched(backend, request, is_disconnected, timeout_s)
         key = id(request)
         self.staging[key] = torch.zeros(self.staging_shape, device=self.staging_device)
         if self.settings.leak_lesson == "leaky":
-            # THE ARTICLE'S LEAK: released on the success path only. A request that fails (504,
-            # 500, 429...) raises past the release, and its buffer stays in the table for good.
+            # THE ARTICLE'S LEAK: released on the success path only; a failed request's buffer stays for good
             result = await self._watched(backend, request, is_disconnected, timeout_s)
             del self.staging[key]
             return result
@@ -209,25 +184,18 @@ class ProductionBackend:
             return await self._watched(backend, request, is_disconnected, timeout_s)
         finally:
             del self.staging[key]
-        # EXERCISE ch07.4 END
 
     async def _watched(self, backend: Backend, request: ValidRequest, is_disconnected: DisconnectCheck,
                        timeout_s: float) -> Generated:
-        # The backend call, cancelled past its deadline (504) or when its client hangs up (499).
+        # the backend call, cancelled past its deadline (504) or when its client hangs up (499)
         work = backend.generate(request, is_disconnected)
         receive = client_receive.get()
         return await within_deadline(work if receive is None else until_disconnected(work, receive), timeout_s)
 
     async def open_stream(self, request: ValidRequest) -> AsyncIterator[int | Generated]:
-        """Admit ``request`` on a streaming backend's newest version; its tokens, then the :class:`Generated`.
-
-        Admission happens here, before the caller starts its response, so a refusal (503 draining,
-        429, 404 version) is still an ordinary JSON error. The stream then holds the drain's count
-        and the version's, like :meth:`generate`; past the deadline it raises 504 between two
-        tokens. However it ends (finished, failed, deadline, the client gone and the response
-        cancelled), the backend's stream is closed (its sequence aborted, its blocks freed) and
-        both counts are given back.
-        """
+        """Admit ``request`` on a streaming backend's version now (a refusal is still a JSON error); returns its tokens,
+        then the :class:`Generated`, or 504 past the deadline. However the stream ends, even unread, the backend's stream
+        is closed and the drain's and the version's counts are given back."""
         context = current_request.get()
         headers = context.headers if context is not None else {}
         timeout_s = effective_timeout(self.settings.request_timeout_s, headers.get(TIMEOUT_HEADER.lower()))
@@ -241,8 +209,7 @@ class ProductionBackend:
             inner = await backend.open_stream(request)
             releases: list[Callable[[], object]] = []
             stream = self._streamed(inner, releases, asyncio.get_running_loop().time() + timeout_s, timeout_s, context)
-            # Given back when the stream ends, or when it is dropped without ever being read (a
-            # response cancelled before its first byte): a generator never started runs no finally.
+            # a generator never started runs no finally: given back when the stream is dropped, too
             releases.append(weakref.finalize(stream, held.pop_all().close))
             return stream
 
@@ -304,13 +271,10 @@ def build_app(settings: ProductionSettings, backend_factory: BackendFactory = bu
               pages: tuple[Path, ...] = (PAGE_DIR,)) -> FastAPI:
     """The server: the production shell around the backends ``backend_factory`` builds, one per model version.
 
-    ``settings`` needs chapter 2's knobs and :class:`ProductionOptions` (and whatever the factory
-    reads); ``read_state`` turns a backend into the numbers ``/metrics`` reports; ``probe`` replaces
-    the readiness probe (a real request through the newest version's backend); ``stream_writer``
-    (chapter 2's :func:`create_app`) serves ``"stream": true`` when the factory's backends stream;
-    ``contract`` is what ``/v1/inference`` accepts (chapter 2's); ``read_events`` finds what chapter
-    3's live page (``/ui/``, its files searched in ``pages``) watches in the newest version's backend.
-    """
+    ``settings`` needs chapter 2's knobs and :class:`ProductionOptions`; ``read_state`` turns a backend into the numbers
+    ``/metrics`` reports; ``probe`` replaces the readiness probe; ``stream_writer`` serves ``"stream": true`` (the
+    backends must stream); ``contract`` is what ``/v1/inference`` accepts; ``read_events`` finds what chapter 3's live
+    page (its files in ``pages``) watches in the newest version's backend."""
     set_threads(settings.torch_threads)
     if settings.memory_snapshots and not tracemalloc.is_tracing():
         tracemalloc.start()  # costs every allocation some time: only behind the flag
@@ -409,11 +373,8 @@ def register_admin_routes(app: FastAPI, settings: ProductionSettings, backend: P
 
 
 def serve(app: FastAPI, settings: ServerSettings) -> None:
-    """Run ``app`` (one built by :func:`build_app`) with uvicorn until SIGTERM, then drain it.
-
-    ``settings`` are the server's: chapter 2's knobs and :class:`ProductionOptions`."""
-    # Keep idle connections longer than the load balancer or client pool in front does (commonly
-    # 60 s): a server that closes first races a client reusing the connection, which sees a reset.
+    """Run ``app`` (one built by :func:`build_app`) with uvicorn until SIGTERM, then drain it."""
+    # keep idle connections longer than the load balancer in front does: closing first races a client reusing one
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             access_log=False, log_config=None, timeout_graceful_shutdown=5,
                             timeout_keep_alive=settings.keep_alive_s)

@@ -1,11 +1,6 @@
-"""The ``gather`` backend: the readable one, plain PyTorch.
-
-Each decoding sequence's blocks are copied out of the pool, whole blocks at a time (``index_select``
-over the pool viewed as one row per block), into a padded batch that SDPA reads with a mask over the
-padding. The copy is the price of plain PyTorch: every decode step reads each history, writes it
-again and reads the copy (:mod:`~chapters.ch08_continuous_batching.attention_flex` and
-:mod:`~chapters.ch08_continuous_batching.attention_kernel` read the pool in place instead).
-"""
+"""The ``gather`` backend, plain PyTorch: each decode row's blocks copied out of the pool into a padded batch,
+then SDPA with a mask over the padding. The copy is its price: every step reads each history, writes it again
+and reads the copy (the fast path's backends read the pool in place: ``fast/``)."""
 
 from __future__ import annotations
 

@@ -1,26 +1,7 @@
-"""The bookkeeping of a paged KV cache: fixed-size blocks, a block table per sequence, reference counts.
+"""The bookkeeping of a paged KV cache: fixed-size blocks, a block table per sequence, reference counts, prefix caching.
 
-Chapter 4 handed each BATCH one contiguous range of the pool, sized for its longest row. Here every
-SEQUENCE gets blocks one at a time, from anywhere in the pool: its block table lists them in order,
-so position ``p`` of the sequence lives in block ``table[p // block_tokens]`` at offset
-``p % block_tokens``. No range has to be contiguous, so nothing fragments and nothing is reserved
-for tokens that may never come (vLLM's PagedAttention, the operating system's page table).
-
-A block may belong to several sequences at once, through **prefix caching** (``prefix_caching=True``;
-vLLM's automatic prefix caching, nano-vllm's block manager): a FULL block whose keys and values are
-computed gets an identity, :func:`block_hash` of its tokens chained with its parent block's
-identity, so equal identities mean equal tokens at equal positions after an equal prefix. A new
-sequence starts with every cached block of its prompt's prefix (:meth:`BlockManager.cached_prefix`,
-then :meth:`BlockManager.allocate`) and computes only the rest. A block's reference count says how
-many tables hold it; it returns to the free queue when the last one lets go. A block nobody holds
-keeps its identity in the free queue, least recently released first, and stays findable until it
-is handed out for other tokens: caching costs no memory, it only delays forgetting. A shared block
-is never written: only full blocks are shared, and every sequence computes at least its last token
-itself, in a block of its own (so no copy on write is needed).
-
-Pure bookkeeping, no tensors: :mod:`~chapters.ch08_continuous_batching.paged_cache` stores the keys
-and values. All calls come from the engine's one thread; ``/stats`` only reads integers.
-"""
+Position ``p`` of a sequence lives in block ``table[p // block_tokens]`` at offset ``p % block_tokens``; with prefix caching a
+computed full block is shared through its identity (:func:`block_hash`). No tensors; every call comes from the engine's thread."""
 
 from __future__ import annotations
 
@@ -35,19 +16,12 @@ ROOT_HASH = b""  # the "parent" of a sequence's first block
 
 
 def block_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
-    """The identity of one full block: SHA-256 over its parent block's identity and its token ids.
-
-    ``parent`` is :data:`ROOT_HASH` for a sequence's first block. Two blocks get the same identity
-    only when they hold the same tokens after the same prefix, so the cache may hand one out for
-    the other. A cryptographic hash, never Python's ``hash()``: a collision would give a sequence
-    another prompt's keys and values, silently. Each token id is encoded at a fixed width, so no
-    two different token lists give the same bytes.
-    """
+    """A full block's identity: SHA-256 of its parent's identity (:data:`ROOT_HASH` for a first block) and its token ids at a
+    fixed width, so equal identities mean equal tokens after an equal prefix (a collision would serve another prompt's keys)."""
     # EXERCISE ch08.6 BEGIN "the block hash chain: a full block's identity from its parent's and its tokens"
     digest = hashlib.sha256(parent)
     digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
     return digest.digest()
-    # EXERCISE ch08.6 END
 
 
 class OutOfBlocks(Exception):
@@ -56,14 +30,8 @@ class OutOfBlocks(Exception):
 
 @dataclass(frozen=True)
 class CachedPrefix:
-    """What :meth:`BlockManager.cached_prefix` found: the leading blocks whose keys and values are already computed.
-
-    ``blocks[i]`` holds tokens ``i * block_tokens .. (i + 1) * block_tokens - 1`` of the query and
-    its identity is ``hashes[i]``; ``queried_tokens`` is the query's length (for the hit rate; 0
-    when the manager does not cache, and so looked nothing up). ``missing`` is the identity of the
-    first full block it did not find (None: every full block before the last token was found, or
-    no caching): what that block will be called once some sequence has computed it.
-    """
+    """What :meth:`BlockManager.cached_prefix` found: ``blocks[i]`` (identity ``hashes[i]``) holds the query's ``i``-th block,
+    computed; ``queried_tokens``: the query's length (0 without caching); ``missing``: the first identity not found, or None."""
 
     blocks: tuple[int, ...]
     hashes: tuple[bytes, ...]
@@ -78,18 +46,13 @@ class CachedPrefix:
 
 
 class BlockManager:
-    """Blocks ``0 .. total_blocks - 1`` of ``block_tokens`` token slots each, handed out one by one.
-
-    Invariants (the property tests check them after every operation: ``tests/test_ch08_block_manager.py``):
-
-    - every block is either in the free queue (reference count 0) or in at least one block table,
-      and its reference count equals the number of tables that hold it;
+    """Blocks ``0 .. total_blocks - 1`` of ``block_tokens`` token slots each; a released block keeps its identity until the
+    free queue, least recently released first, hands it out for other tokens. Invariants (``tests/test_ch08_block_manager.py``):
+    - a block's reference count is the number of tables that hold it, and it is in the free queue exactly when that is 0;
     - the free queue holds each free block once; ``free_blocks + used_blocks == total_blocks``;
     - a table holds ``ceil(n / block_tokens)`` blocks for the most tokens ``n`` it was asked to hold (it never shrinks);
-    - with prefix caching: a block has at most one identity and an identity at most one block (the
-      index and the blocks agree); a table's block that has an identity has the one its sequence's
-      tokens give at that place; without it, no block has an identity.
-    """
+    - with prefix caching a block has at most one identity and an identity at most one block, and a table's block that has
+      one has the one its sequence's tokens give at that place; without it, no block has an identity."""
 
     def __init__(self, total_blocks: int, block_tokens: int, prefix_caching: bool = False) -> None:
         if total_blocks < 1 or block_tokens < 1:
@@ -97,24 +60,15 @@ class BlockManager:
         self.total_blocks = total_blocks
         self.block_tokens = block_tokens
         self.prefix_caching = prefix_caching
-        # The free queue, least recently released first: a block handed out comes from the front, a
-        # released one goes to the back. So a cached block is forgotten as late as possible, and a
-        # bug that reads a freed block shows up as wrong tokens sooner, not never. An ordered dict
-        # (keys only) so that a cache hit can take a block out of the middle in O(1).
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(total_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(total_blocks))  # a dict: a hit leaves it in O(1)
         self.ref_counts: list[int] = [0] * total_blocks
         self.tables: dict[Hashable, list[int]] = {}
-        # Prefix caching: each block's identity (None: none), the index from identity to block, and
-        # each sequence's chain (the identities its tokens give its leading computed full blocks,
-        # registered or not: the next block's parent is the last of them).
         self._hash_of_block: list[bytes | None] = [None] * total_blocks
         self._block_of_hash: dict[bytes, int] = {}
-        self._chains: dict[Hashable, list[bytes]] = {}
+        self._chains: dict[Hashable, list[bytes]] = {}  # each sequence's computed full blocks' identities, in order
         self.lookups_tokens = 0  # tokens of the sequences that asked the cache when they were allocated
         self.hits_tokens = 0  # of those, tokens found computed
         self.evictions = 0  # cached blocks handed out for other tokens
-
-    # -- figures ------------------------------------------------------------------------------
 
     @property
     def free_blocks(self) -> int:
@@ -127,7 +81,6 @@ class BlockManager:
 
     @property
     def cached_blocks(self) -> int:
-        """Blocks that have an identity (held or free)."""
         return len(self._block_of_hash)
 
     def identified_blocks(self) -> list[int]:
@@ -135,7 +88,6 @@ class BlockManager:
         return list(self._block_of_hash.values())
 
     def blocks_for(self, n_tokens: int) -> int:
-        """Blocks that hold ``n_tokens`` token slots."""
         return math.ceil(n_tokens / self.block_tokens)
 
     def can_grow_to(self, seq_id: Hashable, n_tokens: int) -> bool:
@@ -143,7 +95,6 @@ class BlockManager:
         return self.blocks_for(n_tokens) - len(self.tables[seq_id]) <= len(self._free)
 
     def describe_prefix_cache(self) -> dict:
-        """The prefix cache's figures for ``/stats``."""
         return {
             "enabled": self.prefix_caching,
             "lookups_tokens": self.lookups_tokens,
@@ -153,15 +104,9 @@ class BlockManager:
             "evictions": self.evictions,
         }
 
-    # -- prefix caching -----------------------------------------------------------------------
-
     def cached_prefix(self, token_ids: Sequence[int]) -> CachedPrefix:
-        """The cached blocks that hold the longest prefix of ``token_ids`` (nothing without prefix caching).
-
-        Only full blocks lying wholly within ``token_ids[:-1]``: the last token is always computed
-        (its logits give the next token), so a sequence never writes into a block it shares. Reads
-        only; :meth:`allocate` takes the blocks.
-        """
+        """The cached blocks holding the longest prefix of ``token_ids`` (none without prefix caching); reads only. Only
+        full blocks within ``token_ids[:-1]``: the last token is always computed, so a shared block is never written."""
         blocks: list[int] = []
         hashes: list[bytes] = []
         missing = None
@@ -179,14 +124,8 @@ class BlockManager:
         return CachedPrefix(tuple(blocks), tuple(hashes), len(token_ids) if self.prefix_caching else 0, self.block_tokens, missing)
 
     def cache_full_blocks(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> int:
-        """Give an identity to each full block of ``seq_id`` whose keys and values are now computed.
-
-        ``token_ids`` are the sequence's tokens, ``num_computed`` how many leading positions the
-        cache holds. Call it after every step (a prompt chunk or a decoded token may fill a block);
-        a block is never registered before its last position is computed. When another block
-        already has the identity (two equal prompts computed side by side) the first keeps it and
-        this one stays anonymous. Returns how many blocks were registered.
-        """
+        """Give an identity to each full block of ``seq_id`` within its ``num_computed`` leading positions; call it after every
+        step. Returns how many were registered. When another block has the identity already, that one keeps it."""
         if not self.prefix_caching:
             return 0
         table, chain, size = self.tables[seq_id], self._chains[seq_id], self.block_tokens
@@ -212,15 +151,9 @@ class BlockManager:
             self.evictions += 1
         return block
 
-    # -- allocation ---------------------------------------------------------------------------
-
     def allocate(self, seq_id: Hashable, n_tokens: int, prefix: CachedPrefix | None = None) -> list[int]:
-        """A new table for ``seq_id`` with room for ``n_tokens`` slots; raise :class:`OutOfBlocks` (taking nothing) if short.
-
-        With ``prefix`` (what :meth:`cached_prefix` just returned for this sequence's tokens) the
-        table starts with those blocks, shared: a held one's count goes up by one, a free one
-        leaves the free queue. The caller then computes from position ``prefix.tokens``.
-        """
+        """A new table for ``seq_id`` with room for ``n_tokens`` slots, :class:`OutOfBlocks` (taking nothing) if short. With
+        ``prefix`` (:meth:`cached_prefix`'s answer) it starts with those blocks, shared; compute from ``prefix.tokens`` on."""
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id!r} already has a block table")
         hits, hashes = (prefix.blocks, prefix.hashes) if prefix is not None else ((), ())
@@ -251,16 +184,9 @@ class BlockManager:
             self.ref_counts[block] = 1
             table.append(block)
         return table
-        # EXERCISE ch08.1 END
-
-    # -- release ------------------------------------------------------------------------------
 
     def free(self, seq_id: Hashable) -> int:
-        """Drop ``seq_id``'s table; blocks nobody else holds go to the back of the free queue. Returns how many did.
-
-        A released block keeps its identity: a later sequence with the same prefix still finds it,
-        until the free queue hands it out for other tokens.
-        """
+        """Drop ``seq_id``'s table; returns how many of its blocks nobody else holds, now at the back of the free queue."""
         self._chains.pop(seq_id, None)
         # EXERCISE ch08.1 BEGIN "paged allocation: take whole blocks from the free list, all or nothing"
         table = self.tables.pop(seq_id)
@@ -271,4 +197,3 @@ class BlockManager:
                 self._free[block] = None  # to the back of the queue
                 released += 1
         return released
-        # EXERCISE ch08.1 END

@@ -1,26 +1,6 @@
-"""OpenAI's chat route, ``POST /v1/chat/completions``: a conversation in, the assistant's next turn out.
-
-A chat request is a list of ``messages`` (``system``, ``user``, ``assistant``), not a prompt: the
-server writes them as the model was trained to read them, with the model's own chat template
-(:func:`shared.chat_template.chat_prompt`: Jinja in its immutable sandbox, the generation prompt
-added), encodes that text, and generates the assistant's turn. The turn ends at the model's
-end-of-turn token (the tokenizer's ``eos_id``: ``<|im_end|>`` for SmolLM2), at a ``stop`` string, or
-at ``max_tokens``; the end-of-turn token is counted in ``usage`` and never shown in the content.
-Everything else is the completions route's (:mod:`~chapters.ch08_continuous_batching.openai_api`):
-the same sampling fields, stop strings, refusals and error shape, so the official client's
-``chat.completions.create`` works unchanged, plain and streamed.
-
-- ``max_completion_tokens`` (OpenAI's newer name) or ``max_tokens``; neither: as many as the context
-  and the server's ``max_new_tokens`` allow after the prompt;
-- ``logprobs`` true with ``top_logprobs`` 0 to 5: the chat shape, one entry per token of the content
-  (a token the stop string cut away entirely, and the end-of-turn token, have none);
-- ``stream``: a first chunk with the role, one chunk per token's text, a last one with the
-  ``finish_reason``, ``usage`` with ``stream_options.include_usage``, then ``data: [DONE]``;
-- the ``X-Sequence-Id`` header: the turn's sequence as the step view numbers it (the live page's chat
-  box finds its row by it).
-
-A model without a chat template (the embedded GPT) answers the route with a 400 that says so.
-"""
+"""OpenAI's chat route, ``POST /v1/chat/completions``: ``messages`` in (written with the model's chat template; none: 400),
+the assistant's turn out. It ends at the end-of-turn token (counted in ``usage``, never shown), a ``stop`` string, or
+``max_completion_tokens``/``max_tokens`` (neither: what the context leaves); the rest is :mod:`.openai_api`'s, in chat shapes."""
 
 from __future__ import annotations
 
@@ -64,7 +44,6 @@ class Message(BaseModel):
 
 class ChatRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
     model: StrictStr
     messages: list[Message] = Field(min_length=1)
     max_tokens: StrictInt | None = None
@@ -157,8 +136,7 @@ class ChatApi:
         return output_ids[:-1] if output_ids and output_ids[-1] in self.end_of_turn else output_ids
 
     def _logprobs(self, answer: list[int], logprobs: list[TokenLogprobs], content: str) -> dict:
-        """The chat shape of ``logprobs``: an entry for each token of the turn, but where a stop string cut
-        the content, only for the tokens whose text starts before the cut."""
+        """The chat shape of ``logprobs``: an entry per token of the turn whose text starts before a stop string's cut."""
         cut = len(content) if content != self.tokenizer.decode(answer) else None
         text, entries = StopText(self.tokenizer), []
         for token, entry in zip(answer, logprobs):

@@ -1,22 +1,6 @@
-"""Chapter 2's ``Backend`` over the step thread, which also streams: what chapter 7's shell wraps.
-
-The backend does three things and nothing else:
-
-1. **admits** a request with chapter 4's :class:`~chapters.ch04_memory_pool.admission.AdmissionController`
-   (queue while fewer than ``max_queue`` wait, else 429 with its estimated ``Retry-After``; no
-   fallback path: a continuous batcher has no batch to wait for);
-2. hands it to the step thread as a :class:`~chapters.ch08_continuous_batching.scheduler.Sequence`;
-3. gives back its tokens, one by one (:meth:`ContinuousBackend.open_stream`) or all at once
-   (:meth:`ContinuousBackend.generate`).
-
-Everything around a request (draining, deadlines, disconnects, versions, readiness, metrics) is
-chapter 7's shell. When the shell cancels a request (its client left, its deadline passed) the
-sequence is aborted between two steps and its blocks go back before the next step is planned.
-
-A request's accounting (in flight, the admission's figures) ends when its sequence ends, which the
-step thread always reports, never when a reader stops reading: a stream nobody reads still finishes,
-and its count comes back.
-"""
+"""Chapter 2's ``Backend`` over the step thread, which also streams: admission (queue up to ``max_queue``, else 429), then a
+:class:`~chapters.ch08_continuous_batching.scheduler.Sequence` for the step thread, aborted between two steps if the request is
+cancelled. A request's accounting ends when its sequence ends, never when a reader stops reading."""
 
 from __future__ import annotations
 
@@ -39,8 +23,7 @@ from chapters.ch08_continuous_batching.scheduler import Sequence
 from chapters.ch08_continuous_batching.step_thread import StepThread
 from shared.schemas import ValidRequest
 
-# The id of the sequence this request's task submitted last (the live page's row for it): a route that
-# wants it reads it after its call into the backend, which runs in the request's own task.
+# The id of the sequence the current request's task submitted last (the live page's row): read it after the backend call.
 submitted_sequence: ContextVar[int | None] = ContextVar("submitted_sequence", default=None)
 
 
@@ -59,9 +42,7 @@ class ContinuousBackend:
         self.step_thread = step_thread
         self.description = description
         manager = step_thread.scheduler.manager
-        # Waiting, for admission: accepted beyond the max_num_seqs that can run at once. It is what
-        # the scheduler will make wait, known at arrival on the event loop without asking the
-        # step thread (which may not have moved the newest arrivals into its queues yet).
+        # Waiting, for admission: accepted beyond max_num_seqs, known at arrival without asking the step thread.
         max_num_seqs = step_thread.scheduler.config.max_num_seqs
         self.admission = AdmissionController(
             AdmissionConfig(max_waiting=max_queue, fallback_slots=0),
@@ -107,8 +88,7 @@ class ContinuousBackend:
             self.step_thread.cancel(stream.seq, ClientDisconnected())
 
     async def generate(self, request: ValidRequest, is_disconnected: DisconnectCheck) -> Generated:
-        # A client already gone is never computed (chapter 3's promise); one that leaves later is
-        # noticed by the shell, which cancels this call.
+        # A client already gone is never computed; one that leaves later is noticed by the shell, which cancels this call.
         if await is_disconnected():
             raise ClientDisconnected()
         stream = self._submit(request)
@@ -122,11 +102,8 @@ class ContinuousBackend:
         return _completion(finished)
 
     async def open_stream(self, request: ValidRequest) -> AsyncIterator[int | Generated]:
-        """Admit ``request`` now (429 here, before any response starts); then its tokens, then a :class:`Generated`.
-
-        An error after admission (a failed step: 500) is raised from the iteration. Closing the
-        iterator early aborts the sequence.
-        """
+        """Admit ``request`` now (429 before any response starts); yield its tokens, then a :class:`Generated`, or raise a
+        later error (a failed step: 500). Closing the iterator early aborts the sequence."""
         return self._events(self._submit(request))
 
     async def _events(self, stream: RequestStream) -> AsyncIterator[int | Generated]:

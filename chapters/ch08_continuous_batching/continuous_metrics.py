@@ -1,15 +1,5 @@
-"""What a continuous batcher adds to chapter 7's ``/metrics``: token latencies, the step loop, the blocks.
-
-Chapter 7's series describe requests (latency, status, stages) and a backend's state in general
-(waiting, KV bytes, batch sizes). A continuous batcher is judged by more: how soon the first token
-comes (TTFT) and how fast the others follow (TPOT, time per output token after the first), how many
-sequences run and wait, how its KV blocks are used, how often memory ran out and a sequence was
-preempted, how many tokens each step computes, and how many prompt tokens the prefix cache spared
-(hits over lookups: the hit rate). All of it is read at scrape time, as chapter 7 does:
-the step thread's counters (:class:`~chapters.ch08_continuous_batching.scheduler.SchedulerStats`, and
-the time of each phase of each step: :class:`StepClock`) and the latencies each backend tallies
-when a request ends (:class:`TokenLatencies`).
-"""
+"""What a continuous batcher adds to chapter 7's ``/metrics``, read at scrape time: TTFT and TPOT (per output token after the
+first), sequences running and waiting, KV blocks, preemptions, tokens per step, the prefix cache's lookups and hits."""
 
 from __future__ import annotations
 
@@ -23,12 +13,6 @@ from prometheus_client.registry import Collector
 
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)  # seconds
 TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)  # seconds per token
-
-SERIES = (
-    "inference_time_to_first_token_seconds", "inference_time_per_output_token_seconds", "inference_sequences",
-    "inference_kv_blocks", "inference_preemptions", "inference_steps", "inference_step_tokens",
-    "inference_prefix_cache_lookup_tokens", "inference_prefix_cache_hit_tokens", "inference_prefix_cache_blocks",
-)
 
 
 @dataclass(frozen=True)
@@ -66,11 +50,9 @@ class StepClock:
         return {
             "seconds": {phase: round(value, 4) for phase, value in self.totals_s.items()},
             "share": {phase: round(value / total, 4) if total else None for phase, value in self.totals_s.items()},
-            # copy() is one C call, so a step recorded by the step thread meanwhile cannot interrupt it;
-            # iterating the deque itself while it grows raises "deque mutated during iteration".
+            # copy() is one C call the step thread cannot interrupt; iterating the growing deque itself may raise
             "recent": [asdict(r) for r in self.recent.copy()],
         }
-
 
 
 class LatencyTally:

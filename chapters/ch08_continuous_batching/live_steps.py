@@ -1,24 +1,6 @@
-"""What chapter 3's live page shows of the step loop: ``step`` events, from the step thread.
-
-After a step in which something happened (tokens computed, a sequence finished or aborted), and
-only while someone watches (:attr:`~chapters.ch03_dynamic_batching.live_view.LiveEvents.watched`),
-the step thread reads the scheduler's state into plain data and hands it to the event loop. At most
-``MAX_EVENTS_PER_S`` a second: a page draws no faster, and on fast hardware steps come quicker than
-that. What a skipped step did still shows: who left (and the latencies) comes with the next event,
-who joined or was preempted as far as the difference between two events shows it (one that joined
-and left in between is only seen leaving); the step after which the loop goes idle always has its
-event. An event holds:
-
-- the step: how its token budget was split (decode rows, prompt chunks) and where its time went;
-- the running sequences (prompt length, tokens so far, blocks) and the head of the waiting queue;
-- who joined, who left (finished, and why; aborted), who was preempted back to the queue;
-- the KV pool: each running sequence's block table, and (once a second: it can be the whole pool)
-  the blocks that hold a cached prefix;
-- the scheduler's counters, the same figures ``/stats`` reports under ``scheduler``.
-
-Every event is a whole picture, not a change (but for the cached blocks, which come at most once a
-second), so a page that missed some is right again at the next.
-"""
+"""What chapter 3's live page shows of the step loop: ``step`` events from the step thread, only while someone watches, at most
+``MAX_EVENTS_PER_S`` a second (the step before the loop goes idle always). Each event is a whole picture, so a page that
+missed some is right again at the next; the cached-prefix blocks come every ``CACHED_EVERY_S``."""
 
 from __future__ import annotations
 
@@ -50,8 +32,7 @@ class StepView:
         self.events = LiveEvents(hello=self.hello)  # what the page watches
 
     def after_step(self, step: ContinuousStep | None, record: StepRecord | None, finished: Mapping[Sequence, Finished]) -> None:
-        """In the step thread, after each turn of its loop: the step's event, published while someone watches
-        (``step`` None: nothing ran, only endings to show; nobody watching costs one check)."""
+        """After each turn of the step thread's loop: publish the step's event while someone watches (``step`` None: idle)."""
         if not self.events.watched or (step is None and not finished):
             return
         timings = {phase: getattr(record, f"{phase}_ms") for phase in StepClock.PHASES} if record else None
@@ -65,11 +46,7 @@ class StepView:
 
     def step_event(self, step: ContinuousStep | None, timings_ms: Mapping[str, float] | None,
                    finished: Mapping[Sequence, Finished], last: bool = False) -> dict | None:
-        """The event after ``step`` (None if nothing ran), or None when one was sent less than
-        ``1 / max_events_per_s`` ago and this is not the ``last`` step before the loop goes idle.
-
-        ``finished``: sequence -> its :class:`Finished` event, for the sequences that ended in this step.
-        """
+        """The event after ``step`` (None: nothing ran), or None within ``1 / max_events_per_s`` of the last unless ``last``."""
         self._left += [[seq.seq_id, _why_left(seq, end)] for seq, end in finished.items()]
         self._latencies += [latency for end in finished.values() if (latency := _latency(end))]
         now = server_time()

@@ -1,24 +1,16 @@
-"""Input preparation in one place: the scheduler's plan becomes ONE packed model call.
+"""The scheduler's plan becomes ONE packed model call (nano-vllm's ``model_runner.py``, vLLM v1's input batch).
 
-The scheduler emits plain data: a list of rows, each "``length`` tokens of this sequence from
-position ``start``" (decodes first, then prompt chunks). :func:`prepare_inputs` turns that into the
-tensors of one forward pass, as nano-vllm's ``model_runner.py`` and vLLM v1's GPU model runner do:
+The plan is plain data: rows of "``length`` tokens of this sequence from position ``start``", decodes first::
 
-    sequence   A (decode)   B (decode)   C (prompt chunk, positions 0-3)   D (chunk, positions 16-18)
-    input_ids  [a9]         [b4]         [c0 c1 c2 c3]                      [d16 d17 d18]
-    positions  [ 9]         [ 4]         [ 0  1  2  3]                      [ 16  17  18]
-    query_start 0            1            2                                  6                 9
-    slots      where each new key and value goes in the pool (the slot mapping)
-    logits_indices [0, 1, 5, 8]: the last token of each sequence that samples a token this step
-                   (D's chunk is not its prompt's end: no logits for it)
+    sequence    A (decode)  B (decode)  C (prompt chunk, positions 0-3)  D (chunk, positions 16-18)
+    input_ids   [a9]        [b4]        [c0 c1 c2 c3]                     [d16 d17 d18]
+    positions   [ 9]        [ 4]        [ 0  1  2  3]                     [ 16  17  18]
+    query_start 0           1           2                                 6                 9
+    logits_indices [0, 1, 5, 8]: the last token of each row that samples (D's chunk ends before its prompt does)
 
-No padding anywhere: linear layers, LayerNorm and the MLP compute exactly N = 9 tokens, and only the
-sampled rows reach the output layer. Attention, the one place where sequences must not mix, gets
-the layout through :class:`~chapters.ch08_continuous_batching.paged_attention.PagedAttention` (the
-backend :mod:`~chapters.ch08_continuous_batching.attention_choice` chose).
-
-The model is chapter 5's engine (what its rule chose on this machine), called through
-:meth:`shared.model.DecoderModel.forward_packed` (either family: a GPT or a Llama).
+No padding: the linear layers compute exactly N = 9 tokens and only sampling rows reach the output layer.
+Attention gets the layout through :class:`~chapters.ch08_continuous_batching.paged_attention.PagedAttention`.
+The model is chapter 5's engine, called through :meth:`shared.model.DecoderModel.forward_packed`.
 """
 
 from __future__ import annotations
@@ -37,14 +29,6 @@ from chapters.ch08_continuous_batching.scheduler import ScheduledRow
 from shared.model import Attend, DecoderModel
 
 
-class RecordedSteps(Protocol):
-    """Steps replayed from recordings (:class:`~chapters.ch08_continuous_batching.cuda_graphs.GraphedDecodes`)."""
-
-    def holds(self, num_rows: int, num_decodes: int) -> bool: ...
-    def prepare(self, rows: Rows[ScheduledRow]) -> int: ...
-    def run(self, bucket: int, num_rows: int) -> Tensor: ...
-
-
 class PackedModel(Protocol):
     """A model that computes a packed step: :meth:`shared.model.DecoderModel.forward_packed`'s signature."""
 
@@ -57,23 +41,16 @@ def runs_packed_steps(engine: Engine) -> bool:
 
 
 def packed_model(engine: Engine) -> DecoderModel:
-    """The module of chapter 5's ``engine`` that runs packed steps: an eager, int8 or bf16-matmul decoder (GPT or Llama).
-
-    A packed step is a PyTorch forward; engines that replaced the forward with an exported graph
-    (ONNX Runtime, TensorRT) or a recorded one (CUDA graphs over static batch shapes) cannot run it.
-    """
+    """The module of chapter 5's ``engine`` that runs packed steps: an eager, int8 or bf16-matmul decoder (GPT or
+    Llama); EngineUnavailable for an engine whose forward is an exported or recorded graph."""
     if not runs_packed_steps(engine):
         raise EngineUnavailable(f"{engine.label}: chapter 8's packed step needs a PyTorch-module engine (eager, int8, bf16)")
     return getattr(engine.module, "_orig_mod", engine.module)
 
 
 def pack_rows(rows: Rows[ScheduledRow]) -> tuple[list[int], list[int], list[int], list[int]]:
-    """The flattened layout of ``rows``: ``(input_ids, positions, query_start, logits_indices)``.
-
-    ``query_start`` has one more entry than ``rows``: row ``i`` owns tokens
-    ``query_start[i] .. query_start[i + 1] - 1``. ``logits_indices`` lists, in row order, the
-    flattened index of the last token of each row that samples.
-    """
+    """The flattened layout of ``rows``: ``(input_ids, positions, query_start, logits_indices)``. Row ``i`` owns tokens
+    ``query_start[i] .. query_start[i + 1] - 1``; ``logits_indices``, the index of the last token of each row that samples."""
     # EXERCISE ch08.4 BEGIN "packed inputs: flatten the rows into ids, positions, cumulative lengths, logits indices"
     input_ids: list[int] = []
     positions: list[int] = []
@@ -86,7 +63,6 @@ def pack_rows(rows: Rows[ScheduledRow]) -> tuple[list[int], list[int], list[int]
         if row.samples:
             logits_indices.append(len(input_ids) - 1)
     return input_ids, positions, query_start, logits_indices
-    # EXERCISE ch08.4 END
 
 
 def prepare_inputs(store: PagedKVStore, rows: Rows[ScheduledRow], num_decodes: int) -> PackedInputs:
@@ -112,20 +88,13 @@ def prepare_inputs(store: PagedKVStore, rows: Rows[ScheduledRow], num_decodes: i
 class ModelRunner:
     """Prepares and runs one packed step; keeps how long each half took (``last_prepare_s``, ``last_model_s``)."""
 
-    def __init__(self, model: PackedModel, store: PagedKVStore, attention: PagedAttention, graphs: RecordedSteps | None = None) -> None:
+    def __init__(self, model: PackedModel, store: PagedKVStore, attention: PagedAttention) -> None:
         self.model, self.store, self.attention = model, store, attention
-        self.graphs = graphs  # decode-only steps through recorded CUDA graphs (cuda_graphs.py), if any
         self.last_prepare_s = self.last_model_s = 0.0
 
     def execute(self, rows: Rows[ScheduledRow], num_decodes: int) -> Tensor:
         """float32 logits (R, V) of the rows that sample, in row order (an empty (0, V) when none does)."""
         started = time.perf_counter()
-        if self.graphs is not None and self.graphs.holds(len(rows), num_decodes):
-            bucket = self.graphs.prepare(rows)
-            prepared = time.perf_counter()
-            logits = self.graphs.run(bucket, len(rows))
-            self.last_prepare_s, self.last_model_s = prepared - started, time.perf_counter() - prepared
-            return logits
         inputs = prepare_inputs(self.store, rows, num_decodes)
         attend = self.attention.bind(inputs)
         prepared = time.perf_counter()

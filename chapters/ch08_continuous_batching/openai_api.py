@@ -1,29 +1,8 @@
 """An OpenAI-compatible face: ``POST /v1/completions`` and ``GET /v1/models``, so the official client works unchanged.
 
-What is supported, and what is refused with a clear 422 instead of being silently ignored:
-
-- ``prompt``: a string, or a list of token ids (one prompt per request: lists of prompts are refused);
-- ``max_tokens`` (default 16, as OpenAI's); the prompt plus ``max_tokens`` must fit the context;
-- ``stream``: server-sent events, one ``text_completion`` chunk per token (written N at a time after
-  the first with ``--stream-interval`` N), then ``data: [DONE]``;
-  ``stream_options.include_usage`` adds a last chunk with ``usage``;
-- ``temperature`` (0 to 2; 0 or absent: greedy, the oracle's tokens), ``top_p``, ``top_k`` (vLLM's
-  extension; 0: no limit) and ``seed``: :mod:`~chapters.ch08_continuous_batching.sampling`;
-- ``stop``: a string or up to 4; the answer ends where its text first contains one, which is not
-  returned (``finish_reason`` "stop"; otherwise "length"):
-  :mod:`~chapters.ch08_continuous_batching.stop_strings`;
-- ``logprobs``: 0 to 5; each token's log-probability under the model, and that many most likely
-  alternatives (OpenAI's ``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``), for
-  every token of the text shown: none for a token a stop string removed (``usage`` counts every
-  token generated, those too);
-- ``n`` 1, ``echo`` false, no penalties, ``best_of`` 1, no ``logit_bias``, no ``suffix``: any other value
-  is refused with a 422 that names the field, never ignored. So is any field this server does not know.
-
-``model`` must name the served model (``GET /v1/models`` lists it), else 404 as OpenAI answers.
-Errors keep the contract's body ``{"error": {"type", "message"}}``: the OpenAI client reads
-``error.message`` from it and raises by status (``UnprocessableEntityError`` for 422,
-``RateLimitError`` for 429, ...).
-"""
+``temperature`` 0 or absent is greedy, ``top_k`` 0 no limit; ``stop`` ends the text before the first one found (``finish_reason``
+"stop", else "length"); ``logprobs`` cover the text shown, ``usage`` every token generated. A stream ends with ``data: [DONE]``.
+An unknown field, or a value not implemented here: 422; another ``model``: 404; error body ``{"error": {"type", "message"}}``."""
 
 from __future__ import annotations
 
@@ -50,6 +29,7 @@ from shared.tokenizer import Tokenizer
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
 
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: StrictBool = False
@@ -57,7 +37,6 @@ class StreamOptions(BaseModel):
 
 class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
     model: StrictStr
     prompt: StrictStr | list[StrictInt]
     max_tokens: StrictInt = 16
@@ -150,16 +129,14 @@ class CompletionsApi:
         })
 
     def _shown_logprobs(self, output_ids: list[int], logprobs: list[TokenLogprobs], text: str) -> dict:
-        """:meth:`_logprobs` of the tokens whose text starts within ``text``, the answer as shown (a stop
-        string may have cut it): none for a token that starts at or after the cut."""
+        """:meth:`_logprobs` of the tokens whose text starts within ``text``, the answer as a stop string may have cut it."""
         offsets = self._text_offsets(output_ids)
         cut = len(text) if text != self.tokenizer.decode(output_ids) else None
         shown = len(output_ids) if cut is None else sum(1 for offset in offsets if offset < cut)
         return self._logprobs(output_ids[:shown], logprobs[:shown], offsets[:shown])
 
     def _logprobs(self, output_ids: list[int], logprobs: list[TokenLogprobs], text_offsets: list[int]) -> dict:
-        """OpenAI's completions ``logprobs`` object for ``output_ids``, each token's text starting at its
-        ``text_offsets`` entry (characters from the answer's start)."""
+        """OpenAI's completions ``logprobs`` for ``output_ids``; ``text_offsets``: where each token's text starts (characters)."""
         decode = self.tokenizer.decode
         return {
             "tokens": [decode([token]) for token in output_ids],
@@ -176,8 +153,7 @@ class CompletionsApi:
         return self._logprobs(list(tokens), list(logprobs), list(offsets))
 
     def _text_offsets(self, output_ids: list[int]) -> list[int]:
-        """Where each token's text starts in the answer's, as a stream counts them (decoding every
-        prefix again would cost the square of the answer's length)."""
+        """Where each token's text starts in the answer's, counted incrementally as a stream counts them."""
         text, offsets = StopText(self.tokenizer), []
         for token in output_ids:
             offsets.append(text.decoded_chars)
@@ -214,9 +190,8 @@ class CompletionsApi:
 
 def checked_body(model: type[RequestT], body: bytes, served: str,
                  explain: Callable[[list[dict]], str | None] = lambda errors: None) -> RequestT:
-    """``body`` as ``model`` (a route's request), checked as the OpenAI routes check it: 400 for JSON that does
-    not parse, 422 naming each field that is wrong (or ``explain``'s one sentence for those errors), 404 for
-    a model not served here, 422 for a field set to a value this server does not implement."""
+    """``body`` as ``model``: 400 for JSON that does not parse, 422 naming each wrong field (or ``explain``'s sentence for
+    the errors), 404 for a model not served here, 422 for a field set to a value this server does not implement."""
     try:
         request = model.model_validate_json(body)
     except ValidationError as exc:
@@ -241,9 +216,7 @@ def _one_prompt(errors: list[dict]) -> str | None:
 
 
 def text_chunk(meta: dict) -> Callable[[str], bytes]:
-    """The chunk a stream sends per token, ``sse({**meta, "choices": [_choice(text, None)]})``, the same bytes
-    from a template made once per stream: the per-token call then JSON-encodes one string (``json.dumps``'s C
-    fast path) instead of a dict with an encoder built for the call, as :func:`~.streaming.token_event` does."""
+    """``text -> sse({**meta, "choices": [_choice(text, None)]})``, the same bytes from a template: only the text is encoded."""
     head, tail = sse({**meta, "choices": [_choice("\0", None)]}).rsplit(b'"\\u0000"', 1)  # the text is the last field's
     return lambda text: b"".join((head, json.dumps(text).encode(), tail))
 

@@ -1,32 +1,12 @@
 """Attention that reads the paged cache where it lies: the seam between a packed step and the pool.
 
-A packed step (:mod:`~chapters.ch08_continuous_batching.model_runner`) hands the model ONE row of
-every token it computes. Linear layers do not care which sequence a token belongs to; attention
-does: token ``j`` of sequence ``i`` may read sequence ``i``'s keys at positions ``0 .. p_j`` and
-nothing else. So each layer's attention gets the step's layout (:class:`PackedInputs`: where each
-sequence's queries start, its context length, its block table, the slot of every new token:
-nano-vllm's ``Context``), and for each layer:
-
-1. **writes** this step's new keys and values into their slots of the pool (``index_copy_`` along
-   the slot mapping: a scatter, one row per token);
-2. **attends**: each query reads its own sequence's keys and values through the block table.
-
-Under grouped-query attention the pool holds the key/value heads only (``config.kv_heads``), and
-query head ``h`` reads key/value head ``h // (heads / kv_heads)`` where it lies: no backend copies
-a key/value head once per query head.
-
-Prompt chunks are attended here: a first chunk attends to its own new keys (no copy), a later
-chunk copies its history's blocks out of the pool (SDPA with a mask). The DECODE rows (one query
-each, most of a step) are where the backends differ, one module each (``--attention``), each tested
-token-exact against the oracle:
-
-- :mod:`~chapters.ch08_continuous_batching.attention_gather` (``gather``): copy the blocks out, SDPA;
-- :mod:`~chapters.ch08_continuous_batching.attention_flex` (``flex``): compiled ``flex_attention``
-  over a ``BlockMask`` built from the block tables, reading the pool in place;
-- :mod:`~chapters.ch08_continuous_batching.attention_kernel` (``kernel``): this chapter's C kernel,
-  ``paged_decode.c``, reading the pool in place; it takes the prompt chunks' tokens as rows too.
-
-Which one serves by default is measured at start-up (:mod:`~chapters.ch08_continuous_batching.attention_choice`).
+A packed step hands the model ONE row of every token it computes. Attention is the one layer where sequences must not mix:
+token ``j`` of sequence ``i`` reads sequence ``i``'s keys at positions ``0 .. p_j`` only. So each layer's attention gets the
+step's layout (:class:`PackedInputs`, nano-vllm's ``Context``) and (1) writes the step's new keys and values into their pool
+slots (the slot mapping), (2) lets each query read its own sequence's keys and values through its block table. The pool holds
+the key/value heads only; under grouped-query attention query head ``h`` reads key/value head ``h // (heads / kv_heads)`` in
+place. Prompt chunks are attended here, the same way by every backend. A backend (:class:`PagedAttention`'s subclasses; the
+core's is ``attention_gather``) decides only how the DECODE rows read.
 """
 
 from __future__ import annotations
@@ -49,10 +29,9 @@ DecodeAttend = Callable[[int, Tensor, Tensor, Tensor, Tensor], None]
 class PackedInputs:
     """One packed step, flattened (nano-vllm's ``prepare_prefill``/``prepare_decode``, vLLM v1's input batch).
 
-    Sequence ``i`` owns tokens ``query_start[i] .. query_start[i + 1] - 1`` of the row; after the
-    step its cache holds ``context_lens[i]`` positions, so its queries sit at positions
-    ``context_lens[i] - query_len .. context_lens[i] - 1``. Decoding sequences (one query each)
-    come first: ``num_decodes`` of them.
+    Sequence ``i`` owns tokens ``query_start[i] .. query_start[i + 1] - 1`` of the row; after the step its cache holds
+    ``context_lens[i]`` positions, so its queries sit at positions ``context_lens[i] - query_len .. context_lens[i] - 1``.
+    Decoding sequences (one query each) come first: ``num_decodes`` of them.
     """
 
     input_ids: Tensor  # (N,) every token computed this step, sequence after sequence
@@ -66,12 +45,8 @@ class PackedInputs:
 
 
 def block_table_tensor(tables: list[list[int]], context_lens: list[int], block_tokens: int, first_block: int) -> Tensor:
-    """The rows' block tables as one int32 tensor ``(rows, widest)``, offset to the pool's first block.
-
-    Row ``i`` lists the first ``-(-context_lens[i] // block_tokens)`` blocks of its table (the ones its
-    positions lie in), padded with the first block. One flat list, one tensor: a tensor per row cost
-    more than the rest of a step's preparation.
-    """
+    """The rows' block tables as one int32 tensor ``(rows, widest)``, offset to the pool's first block: row ``i`` lists
+    the blocks its ``context_lens[i]`` positions lie in, padded with the first block (built from one flat list)."""
     used = [-(-context // block_tokens) for context in context_lens]
     widest = max(used)
     flat: list[int] = []
@@ -84,10 +59,8 @@ def block_table_tensor(tables: list[list[int]], context_lens: list[int], block_t
 class PagedAttention:
     """A backend: for each step, :meth:`bind` returns the :data:`shared.model.Attend` the model calls per layer.
 
-    A backend says how its decode rows attend (:meth:`bind_decodes`, which also stores their keys
-    and values); the prompt chunks are attended here. Queries have ``heads`` heads, keys and values
-    ``kv_heads`` (a divisor of ``heads``); ``grouped`` when they differ.
-    """
+    A subclass says how its decode rows attend (:meth:`bind_decodes`, which also stores their keys and values); the prompt
+    chunks are attended here. Queries have ``heads`` heads, keys and values ``kv_heads``."""
 
     name = "?"
 

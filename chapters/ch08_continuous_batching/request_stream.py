@@ -1,11 +1,5 @@
-"""The output side of the engine: what a step made, handed to each request's stream (vLLM's output processor).
-
-The step thread's scheduler tells a :class:`StreamListener` about every token and every finished
-sequence; once per step, the step thread hands what is due to the event loop in ONE
-``loop.call_soon_threadsafe`` (:func:`deliver`), where each request's :class:`RequestStream`
-receives it. With ``stream_interval`` N above 1, a sequence's tokens are handed over in runs of N
-after its first, so the loop wakes its request once per N tokens, not per token.
-"""
+"""The engine's output side: a :class:`StreamListener` hears each token and ending in the step thread; once per step what is due
+goes to the event loop in one ``call_soon_threadsafe`` (:func:`deliver`), to each request's :class:`RequestStream`."""
 
 from __future__ import annotations
 
@@ -43,11 +37,7 @@ class Finished:
 
 
 class SampledToken(int):
-    """A token id that also carries its log-probabilities (a request that asked for them).
-
-    It is an ``int``, so every reader of a token stream (chapter 2's protocol, chapter 7's shell)
-    takes it as the id it is; chapter 8's OpenAI route reads :attr:`logprobs` from it.
-    """
+    """A token id (an ``int`` to every reader of a token stream) that also carries its log-probabilities, when asked."""
 
     logprobs: TokenLogprobs
 
@@ -58,14 +48,7 @@ class SampledToken(int):
 
 
 class RequestStream:
-    """The event-loop side of one sequence: its tokens as they come, then one :class:`Finished`.
-
-    What a step hands over waits in a deque; a reader with nothing to read waits on one future, which
-    the next hand-over resolves. Not an ``asyncio.Queue``: a queue wakes its getter and keeps its own
-    books for every item put, and this stream gets one item per token, on the event loop every
-    request shares. vLLM's ``RequestOutputCollector`` keeps no queue either (one slot that later
-    outputs merge into, and an ``asyncio.Event``); here each token stays an item of its own.
-    """
+    """The event-loop side of one sequence: its tokens, then a :class:`Finished` (a deque and a future: cheaper than a Queue)."""
 
     def __init__(self, seq: Sequence) -> None:
         self.seq = seq
@@ -93,12 +76,7 @@ class RequestStream:
 
 
 class StreamListener:
-    """Collects tokens and endings in the step thread; what is due is flushed to the loop once per step.
-
-    A sequence's tokens are due every ``stream_interval`` tokens: its first token at once (what the
-    client waits for first), then each time ``stream_interval`` more have come, and whatever is left
-    when it ends. At 1 every token is due in the step that made it.
-    """
+    """Tokens and endings collected in the step thread; due: a sequence's first token, each ``stream_interval`` after, its end."""
 
     def __init__(self, stream_interval: int = 1) -> None:
         if stream_interval < 1:

@@ -1,12 +1,5 @@
-"""Chapter 2's request contract, plus how to pick the tokens: what ``/v1/inference`` accepts in chapter 8.
-
-Chapters 1-7 decode greedily, and their ``/v1/inference`` refuses any field it does not know (422).
-Chapter 8's scheduler samples (:mod:`~chapters.ch08_continuous_batching.sampling`), so its
-``/v1/inference`` also takes ``temperature`` (0 to 2; 0, the default: greedy, the oracle's tokens),
-``top_k`` (0: no limit), ``top_p`` (1: no limit) and ``seed``, with the same names and meanings as
-its OpenAI route (:mod:`~chapters.ch08_continuous_batching.openai_api`, which also takes ``stop`` and
-``logprobs``). A checked request travels to the backend as a :class:`SampledRequest`.
-"""
+"""Chapter 2's request contract plus the sampling fields (``temperature``, ``top_k``, ``top_p``, ``seed``, as in the OpenAI
+route): what chapter 8's ``/v1/inference`` accepts; a checked request travels to the backend as a :class:`SampledRequest`."""
 
 from __future__ import annotations
 

@@ -1,32 +1,8 @@
 """Choosing the next token: greedy by default; temperature, top-k, top-p and a seed when asked; log-probabilities.
 
-Every chapter so far decodes greedily: the next token is the logits' argmax, so every server's tokens
-equal the oracle's. A user of an OpenAI-style server also asks for SAMPLING: draw the next token from
-the model's distribution, reshaped by
-
-- ``temperature`` T: the logits are divided by T before the softmax (T < 1 sharpens, T > 1 flattens;
-  0 means greedy, the default, and stays token-exact);
-- ``top_k`` k: only the k most likely tokens may be drawn (0: no limit);
-- ``top_p`` p (nucleus sampling): only the smallest set of most likely tokens whose probabilities
-  add up to at least p (1: no limit).
-
-**Seeds and batching.** Each sequence draws from ITS OWN random generator (``torch.Generator``),
-seeded from the request's ``seed`` (or at random without one), and draws exactly one number per
-sampled token (inverse transform sampling: the first token whose cumulative probability passes it). Which other sequences share a step therefore never changes the numbers a sequence
-draws: a seeded request gets the same tokens alone or batched. What batching can NOT promise is
-bit-identical logits: a packed step sums in another order than a lone one, so a probability that
-sits exactly on a draw's boundary may tip the other way. At fp32 that is rare, not impossible
-(vLLM and every other batching server say the same of their seeds).
-
-**Log-probabilities** (OpenAI's ``logprobs``) are those of the model's own distribution, the
-softmax of its logits before temperature, top-k and top-p reshape it (vLLM reports the same by
-default): the chosen token's, and the ``logprobs`` most likely alternatives'.
-
-Written once and used by chapter 8's update step (:meth:`ContinuousScheduler.update
-<chapters.ch08_continuous_batching.scheduler.ContinuousScheduler.update>`): a step whose rows are all
-greedy without log-probabilities is one ``argmax`` over the batch, as before; the rows that sample
-are filtered together, as one (R, V) tensor: a few tensor operations a step, not a few per row.
-"""
+Each sequence draws one number per sampled token from its own generator, so a seeded request draws the same alone or batched
+(a packed step sums in another order, so only a draw on a probability's very boundary may tip). Log-probabilities are the
+model's own, before temperature, top-k and top-p reshape its distribution."""
 
 from __future__ import annotations
 
@@ -67,7 +43,7 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def generator(self) -> torch.Generator | None:
-        """The sequence's own random stream (None for greedy: it draws nothing)."""
+        """The sequence's own random stream, seeded from ``seed`` or at random (None for greedy: it draws nothing)."""
         if self.greedy:
             return None
         seed = self.seed if self.seed is not None else random.SystemRandom().randrange(2**63)
@@ -86,10 +62,7 @@ class TokenLogprobs:
 
 
 def keep_top_k(logits: Tensor, top_k: Tensor) -> Tensor:
-    """``logits`` (R, V) with every token outside its row's ``top_k`` (R, 1) largest set to -inf.
-
-    A ``top_k`` of 0 keeps the whole row; ties with the k-th largest are all kept.
-    """
+    """``logits`` (R, V), -inf outside each row's ``top_k`` (R, 1) largest; a ``top_k`` of 0 keeps all; ties with k-th stay."""
     k = top_k.clamp(max=logits.shape[-1])
     largest = torch.topk(logits, max(int(k.max()), 1), dim=-1).values  # only as many as the largest k: no full sort
     kth = torch.where(k > 0, largest.gather(-1, (k - 1).clamp(min=0)), float("-inf"))
@@ -97,17 +70,13 @@ def keep_top_k(logits: Tensor, top_k: Tensor) -> Tensor:
 
 
 def keep_top_p(logits: Tensor, top_p: Tensor) -> Tensor:
-    """``logits`` (R, V) with every token outside its row's nucleus set to -inf.
-
-    The nucleus is the smallest set of most likely tokens whose probabilities add up to at least the
-    row's ``top_p`` (R, 1); the most likely token is always in it, and a ``top_p`` of 1 keeps the whole row.
-    """
+    """``logits`` (R, V) with every token outside its row's nucleus set to -inf: the smallest set of most likely tokens whose
+    probabilities reach its ``top_p`` (R, 1). The most likely token is always in it; a ``top_p`` of 1 keeps the whole row."""
     # EXERCISE ch08.7 BEGIN "top-p (nucleus) sampling: keep the smallest most likely set that reaches p"
     probs, order = torch.softmax(logits, dim=-1).sort(dim=-1, descending=True)
     before = probs.cumsum(dim=-1) - probs  # the mass of the tokens more likely than each one
     drop = (before >= top_p) & (top_p < 1)  # the set already reached p without it (rounding must not cut a p of 1)
     return logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
-    # EXERCISE ch08.7 END
 
 
 def sampling_distribution(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
@@ -122,8 +91,7 @@ def sampling_distribution(logits: Tensor, params: Sequence[SamplingParams]) -> T
 
 
 def draw(probs: Tensor, generators: Sequence[torch.Generator]) -> list[int]:
-    """One token per row of ``probs`` (R, V): the first whose cumulative probability passes a uniform draw
-    from that row's generator (inverse transform sampling: one number per token)."""
+    """One token per row of ``probs`` (R, V): the first whose cumulative probability passes its generator's uniform draw."""
     uniform = torch.cat([torch.rand(1, generator=generator) for generator in generators]).to(probs.device)
     cumulative = probs.cumsum(dim=-1)
     picked = torch.searchsorted(cumulative, (uniform * cumulative[:, -1])[:, None], right=True)
@@ -132,11 +100,7 @@ def draw(probs: Tensor, generators: Sequence[torch.Generator]) -> list[int]:
 
 def sample_tokens(logits: Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
                   ) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """The next token of each row of ``logits`` (R, V), and its log-probabilities where asked.
-
-    Row ``i`` follows ``params[i]``, drawing from ``generators[i]`` (None where greedy). The rows that
-    sample are computed together; only the draws are one per row, each from its own generator.
-    """
+    """Row ``i``'s next token by ``params[i]``, drawing from ``generators[i]`` (None: greedy), and its logprobs where asked."""
     tokens = logits.argmax(dim=-1).tolist()
     logprobs: list[TokenLogprobs | None] = [None] * len(params)
     if all(p.greedy and p.logprobs is None for p in params):

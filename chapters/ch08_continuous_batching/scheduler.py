@@ -1,40 +1,10 @@
-"""Continuous batching: a scheduler that changes the batch at every step of chapter 3's loop.
+"""Continuous batching: a scheduler that plans each step of chapter 3's loop (schedule, execute, update) anew.
 
-Chapter 3's :class:`~chapters.ch03_dynamic_batching.batched_generation.StaticBatch` fixes a batch
-when it starts, and the batch leaves together. :class:`ContinuousScheduler` plugs into the same
-loop (:func:`~chapters.ch03_dynamic_batching.step_loop.run_step`: schedule, execute, update) and
-decides again before every model call (Orca's iteration-level scheduling):
-
-1. **decode**: every running sequence whose prompt is computed gets one token. Under the ``grow``
-   KV policy it may need a new block; when none is free, the NEWEST running sequence is preempted
-   (its blocks freed, itself put back at the head of the queue with its tokens kept, to be
-   recomputed later: vLLM's preemption by recompute). Decodes always fit the token budget
-   (``max_num_batched_tokens >= max_num_seqs``), so no running sequence ever stalls.
-2. **continue prefills**: a running sequence whose prompt is only partly computed gets its next
-   chunk, within what is left of the token budget (``max_num_batched_tokens``).
-3. **admit**: waiting sequences, first come first served, while fewer than ``max_num_seqs`` run and
-   budget is left. A prompt longer than the budget left is prefilled in chunks over several steps
-   (chunked prefill), so one long prompt never stops everybody's decode. Under ``reserve`` a sequence
-   is admitted only if blocks for its prompt AND all its new tokens are free (it then never needs
-   another block, nothing is ever preempted); under ``grow`` only its first chunk's blocks. With
-   prefix caching on (the store's), a sequence starts with the cached full blocks of its tokens'
-   prefix (a shared system prompt, or its own blocks still cached after a preemption) and its
-   first chunk starts where they end: the budget pays only for what is computed. A waiting
-   sequence whose next uncached block another prompt is computing right now waits in its place
-   until that block is cached (:meth:`ContinuousScheduler._held_for_prefixes_in_flight`), so
-   prompts that arrive together with one new prefix compute it once.
-
-``update`` appends each row's next token (greedy, or sampled as the sequence asked:
-:mod:`~chapters.ch08_continuous_batching.sampling`), and a sequence that has its tokens, or reached
-one of its stop strings, is retired AT ONCE: its blocks go back to the free list before the next
-step is planned.
-
-The plan is plain data (:class:`ContinuousStep`: decode rows, then prompt chunks); the model runner
-(:mod:`~chapters.ch08_continuous_batching.model_runner`) turns it into ONE packed forward pass.
-Nothing here knows about tensors beyond the logits, threads, HTTP or asyncio: a
-:class:`SequenceListener` hears about tokens and finished sequences (the engine turns that into
-futures and streams), and tests drive the scheduler with a fake model and plain loops.
-"""
+Each plan (:meth:`ContinuousScheduler.schedule`): every running sequence whose prompt is computed decodes one token (under
+``grow`` the newest is preempted by recompute while no block is free); partly computed prompts get their next chunk within the
+token budget; waiting sequences are admitted first come first served while a row, budget and blocks are left (``reserve``:
+blocks for their whole life; ``grow``: for their first chunk). :meth:`~ContinuousScheduler.update` appends the sampled tokens
+and frees a finished sequence's blocks at once. No threads or asyncio: a :class:`SequenceListener` hears of tokens and ends."""
 
 from __future__ import annotations
 
@@ -136,8 +106,6 @@ class ContinuousStep:
 
 
 class ContinuousScheduler:
-    """Step-level scheduling over a paged KV cache (see the module docstring for the three passes)."""
-
     def __init__(
         self,
         store: PagedKVStore,
@@ -155,8 +123,6 @@ class ContinuousScheduler:
         longest = store.config.n_ctx
         if self.manager.blocks_for(longest) > self.manager.total_blocks:
             raise ValueError(f"the pool's {self.manager.total_blocks} blocks cannot hold one sequence of {longest} positions")
-
-    # -- the queue ----------------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
         if len(seq.prompt_ids) + seq.max_new_tokens > self.store.config.n_ctx:
@@ -181,8 +147,6 @@ class ContinuousScheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    # -- schedule -----------------------------------------------------------------------------
-
     def schedule(self) -> ContinuousStep | None:
         decode_rows = self._schedule_decodes()
         continuing, budget = self._continue_prefills(self.config.max_num_batched_tokens - len(decode_rows))
@@ -206,19 +170,15 @@ class ContinuousScheduler:
         return rows
 
     def _make_room(self, seq: Sequence, n_tokens: int) -> bool:
-        """Blocks for ``n_tokens`` positions of a running ``seq``, preempting the newest while short.
-
-        False when ``seq`` had to be preempted itself. Only called for decodes: the victims come
-        from the tail of ``running``, which no earlier decode row of this step belongs to.
-        """
+        """Blocks for ``n_tokens`` positions of a running ``seq``, preempting the newest while short; False when ``seq``
+        itself went. Decodes only: the victims come from the tail of ``running``, past every earlier decode row of this step."""
         if self.manager.can_grow_to(seq.seq_id, n_tokens):  # the common case: no one is preempted
             self.manager.grow_to(seq.seq_id, n_tokens)
             return True
         return self._preempt_for(seq, n_tokens)
 
     def _preempt_for(self, seq: Sequence, n_tokens: int) -> bool:
-        """Preempt the newest running sequences until ``seq`` can grow to ``n_tokens``, then grow it;
-        False when ``seq`` itself, the newest, had to go."""
+        """Preempt the newest running sequences until ``seq`` can grow to ``n_tokens``, then grow it; False if ``seq`` went."""
         # EXERCISE ch08.3 BEGIN "preemption by recompute: free the newest sequence's blocks while short"
         while not self.manager.can_grow_to(seq.seq_id, n_tokens):
             victim = self.running[-1]
@@ -227,7 +187,6 @@ class ContinuousScheduler:
                 return False
         self.manager.grow_to(seq.seq_id, n_tokens)
         return True
-        # EXERCISE ch08.3 END
 
     def preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks and put it back at the head of the queue; it keeps its tokens and recomputes them later."""
@@ -239,7 +198,6 @@ class ContinuousScheduler:
         seq.preemptions += 1
         self.stats.preemptions += 1
         self.waiting.appendleft(seq)
-        # EXERCISE ch08.3 END
 
     def _continue_prefills(self, budget: int) -> tuple[list[ScheduledRow], int]:
         rows: list[ScheduledRow] = []
@@ -261,8 +219,7 @@ class ContinuousScheduler:
         return (len(m.tables[seq.seq_id]) + m.free_blocks) * m.block_tokens - seq.num_computed
 
     def _admit(self, budget: int) -> tuple[list[ScheduledRow], int]:
-        """:meth:`_admit_in_order` over the queue less those held this step (:meth:`_held_for_prefixes_in_flight`);
-        the held keep their places."""
+        """:meth:`_admit_in_order` over the queue less those :meth:`_held_for_prefixes_in_flight`, who keep their places."""
         order, held = self.waiting, self._held_for_prefixes_in_flight()
         self.waiting = deque(seq for seq in order if seq not in held)
         rows, budget = self._admit_in_order(budget)
@@ -270,15 +227,8 @@ class ContinuousScheduler:
         return rows, budget
 
     def _held_for_prefixes_in_flight(self) -> set[Sequence]:
-        """Waiting sequences whose first uncached full block a running prompt, or one admitted before them, computes.
-
-        Admitted now, each would compute that block a second time (a block is found only once it is
-        computed): users with one system prompt arriving together would compute it once for every
-        one admitted before it is cached. Held, they find it cached a step or two later and compute
-        only what follows it, while those behind them are admitted. (vLLM registers a block when it
-        schedules it instead: its forward writes every row's keys before any row reads, so a row
-        later in the same step may read them; here a block is registered once computed, so it waits.)
-        """
+        """Waiting sequences whose first uncached full block a running prompt, or one admitted before them, computes: a block
+        is found only once computed, so each waits a step or two and finds it cached instead of computing it again."""
         m, held, rows_left = self.manager, set(), self.config.max_num_seqs - len(self.running)
         claimed = {m.cached_prefix(seq.token_ids).missing for seq in self.running if seq.num_computed < len(seq.token_ids) - 1}
         for seq in self.waiting if m.prefix_caching else ():  # only as far as this step can admit
@@ -300,7 +250,6 @@ class ContinuousScheduler:
             seq = self.waiting[0]
             cached = self.manager.cached_prefix(seq.token_ids)  # full blocks already computed (prefix caching; else none)
             chunk = min(len(seq.token_ids) - cached.tokens, budget)  # the rest: new, or preempted (0 computed)
-            # reserve: the whole life's blocks now, or not yet; grow: this chunk's blocks.
             wanted = seq.peak_kv_tokens if self.config.kv_policy == "reserve" else cached.tokens + chunk
             try:
                 self.manager.allocate(seq.seq_id, wanted, cached)
@@ -314,8 +263,6 @@ class ContinuousScheduler:
             budget -= chunk
         # EXERCISE ch08.2 END
         return rows, budget
-
-    # -- update -------------------------------------------------------------------------------
 
     def update(self, step: ContinuousStep, logits: Tensor) -> None:
         """``logits``: one row per SAMPLING row of ``step``, in row order."""

@@ -1,9 +1,4 @@
-"""One request's state inside the engine: its tokens, how far its keys and values are computed, how it samples.
-
-The scheduler (:mod:`~chapters.ch08_continuous_batching.scheduler`) moves sequences between its
-queues and the block manager holds their blocks; a sequence itself is plain state (nano-vllm's
-``sequence.py``, vLLM's ``Request``).
-"""
+"""One request's state inside the engine, plain data: its tokens, how far its keys and values are computed, how it samples."""
 
 from __future__ import annotations
 
@@ -36,13 +31,8 @@ _ids = itertools.count(1)
 
 @dataclass(eq=False)
 class Sequence:
-    """One request's state inside the scheduler.
-
-    ``token_ids`` is the prompt followed by every token generated so far; ``num_computed`` counts
-    the leading positions whose keys and values are in the cache (0 again after a preemption).
-    ``sampling`` says how its tokens are picked (greedy by default), ``stop`` may end it early;
-    ``finish_reason`` is then "stop", else "length" once it has ``max_new_tokens``.
-    """
+    """``token_ids``: the prompt, then every token generated so far; ``num_computed``: the leading positions whose keys
+    and values are cached (0 after a preemption). ``finish_reason``: "stop" when ``stop`` ended it, else "length"."""
 
     prompt_ids: list[int]
     max_new_tokens: int

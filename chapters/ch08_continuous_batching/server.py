@@ -1,47 +1,11 @@
 """Chapter 8: continuous batching over a paged KV cache, token streaming, an OpenAI-compatible API.
 
-A request's life: uvicorn parses HTTP on the event loop and the endpoint checks the body (chapter
-2's contract). Chapter 7's production shell receives it (drain, deadline, disconnects, model
-versions, metrics, request logs, readiness from a real request), and hands it to this chapter's
-backend (:mod:`~chapters.ch08_continuous_batching.continuous_backend`): chapter 4's admission control
-(429 past ``max_queue`` waiting), then a SEQUENCE handed to the STEP THREAD
-(:mod:`~chapters.ch08_continuous_batching.step_thread`), which turns chapter 3's step loop with a
-step-level scheduler (:mod:`~chapters.ch08_continuous_batching.scheduler`): at EVERY step, waiting
-sequences join (chunked prefill under a token budget), every running one gets a token, finished
-ones leave at once. The step is ONE packed forward pass of chapter 5's engine (whatever its rule
-chose on this machine) over exactly the tokens it computes
-(:mod:`~chapters.ch08_continuous_batching.model_runner`), and attention reads the paged cache
-through the block tables (:mod:`~chapters.ch08_continuous_batching.paged_attention`; the backend,
-``--attention``, by :mod:`~chapters.ch08_continuous_batching.attention_choice`).
-Keys and values live in fixed-size blocks of chapter 4's pool (sized by chapter 4's rule for
-``max_num_seqs`` sequences), one block table per sequence
-(:mod:`~chapters.ch08_continuous_batching.paged_cache`), allocated as the policy says:
-``--kv-policy grow`` (block by block; preempt the newest sequence by recompute when none is free) or
-``reserve`` (the whole prompt + max_new_tokens at admission; never preempts). ``--prefix-caching on``
-(the default) keeps computed full blocks findable by their tokens, so a request that repeats a
-prefix (a system prompt, a document asked several questions) skips its pass over it.
-
-Each token is pushed to its request as soon as the step that made it ends: ``/v1/inference`` with
-``"stream": true`` and ``/v1/completions`` with ``"stream": true`` send it as a server-sent event,
-through the shell (:meth:`~chapters.ch07_production.server.ProductionBackend.open_stream`);
-``--stream-interval`` N above 1 writes a stream's events N at a time after its first. A client
-that goes away or a request past its deadline (504) is aborted between two steps: its blocks are
-free before the next step is planned, and nobody else notices.
-
-Routes: chapter 7's (``/healthz``, ``/livez``, ``/readyz``, ``/stats``, ``/metrics``,
-``/admin/models``, and chapter 3's live page ``/ui/``, which here draws the steps:
-:mod:`~chapters.ch08_continuous_batching.live_steps`), ``/v1/inference`` (chapter 2's, which
-streams because this backend can and the server is given a writer of server-sent events,
-:mod:`~chapters.ch08_continuous_batching.streaming`,
-and samples because its contract takes the sampling fields,
-:mod:`~chapters.ch08_continuous_batching.sampled_contract`), plus ``/v1/completions`` and
-``/v1/models`` (:mod:`~chapters.ch08_continuous_batching.openai_api`: sampling, stop strings,
-log-probabilities) and ``/v1/chat/completions`` (:mod:`~chapters.ch08_continuous_batching.chat_api`:
-messages through the model's own chat template, a turn ending at its end-of-turn token).
-
-``--otlp-endpoint``: one OpenTelemetry trace per request, from the shell to each prefill chunk and
-the decode steps (:mod:`~chapters.ch08_continuous_batching.tracing`,
-:mod:`~chapters.ch08_continuous_batching.step_tracing`); without it, nothing of it is built.
+The composition: chapter 7's production shell serves a continuous backend (chapter 4's admission, then a
+sequence handed to the step thread); each step is one packed forward of chapter 5's engine over the paged pool
+(chapter 4's memory, sized by its rule), its attention through the block tables (the core's ``gather``, or the
+fast path's backend the rule chose, ``fast/``). Routes: chapter 7's, ``/v1/inference`` (streamed and sampled
+too), ``/v1/completions``, ``/v1/models`` and ``/v1/chat/completions``; ``/ui/`` draws the steps. With
+``--otlp-endpoint``, one OpenTelemetry trace per request.
 """
 
 from __future__ import annotations
@@ -65,19 +29,19 @@ from chapters.ch05_inference_engine.server import EngineOptions, engine_for
 from chapters.ch07_production.request_log import REQUEST_LOG, configure_json_logging
 from chapters.ch07_production.server import ProductionOptions, serve
 from chapters.ch07_production.server import build_app as build_production_app
-from chapters.ch08_continuous_batching.attention_choice import ATTENTION_CHOICES, choose_attention
+from chapters.ch08_continuous_batching.fast.attention_choice import ATTENTION_CHOICES, choose_attention
 from chapters.ch08_continuous_batching.attention_gather import GatherAttention
 from chapters.ch08_continuous_batching.chat_api import ChatApi
 from chapters.ch08_continuous_batching.continuous_backend import ContinuousBackend, continuous_state
 from chapters.ch08_continuous_batching.continuous_metrics import ContinuousCollector
-from chapters.ch08_continuous_batching.cuda_graphs import recorded_decodes
-from chapters.ch08_continuous_batching.model_runner import ModelRunner, PackedModel, packed_model, runs_packed_steps
+from chapters.ch08_continuous_batching.fast.cuda_graphs import GraphedModelRunner, model_runner
+from chapters.ch08_continuous_batching.model_runner import PackedModel, packed_model, runs_packed_steps
 from chapters.ch08_continuous_batching.openai_api import CompletionsApi
 from chapters.ch08_continuous_batching.paged_cache import KV_CACHE_DTYPES, KV_CACHE_RULE, PagedKVStore, kv_cache_dtype
 from chapters.ch08_continuous_batching.sampled_contract import SAMPLED_CONTRACT
 from chapters.ch08_continuous_batching.scheduler import ContinuousScheduler, KVPolicy, SchedulerConfig
 from chapters.ch08_continuous_batching.step_thread import StepThread
-from chapters.ch08_continuous_batching.startup_cache import quiet_unactionable_warnings
+from chapters.ch08_continuous_batching.fast.startup_cache import quiet_unactionable_warnings
 from chapters.ch08_continuous_batching.streaming import write_sse_stream
 from chapters.ch08_continuous_batching.step_tracing import TracedStepThread
 from chapters.ch08_continuous_batching.tracing import TracedRequests, log_trace_ids, tracing_for
@@ -101,7 +65,7 @@ class SchedulerOptions(BaseSettings):
                                         description="tokens one step computes: decodes + prefill chunks (>= max_num_seqs)")
     kv_policy: KVPolicy = Field(SchedulerConfig.kv_policy, description="grow: blocks as needed, preempt by recompute | reserve: prompt + max_new at admission")
     attention: ATTENTION_CHOICES = Field("auto", description="paged attention backend: auto (measured once per machine and "
-                                                            "settings, then cached: attention_choice.py) | gather | flex | kernel")
+                                                            "settings, then cached: fast/attention_choice.py) | gather | flex | kernel")
     remeasure_attention: bool = Field(False, description="with --attention auto: measure again even if this machine's cached "
                                                           "choice exists (under $SFS_CACHE_DIR), and replace it")
     kv_cache_dtype: KV_CACHE_DTYPES = Field("auto", description=f"dtype of the paged pool's keys and values: {KV_CACHE_RULE} | fp32 | bf16")
@@ -110,7 +74,7 @@ class SchedulerOptions(BaseSettings):
     max_queue: int = AdmissionOptions.model_fields["max_queue"]  # chapter 4's knob: one meaning everywhere
     served_model_name: str = Field("", description="the model's name in /v1/models and /v1/completions (empty: the weights' name)")
     cuda_graphs: Literal["auto", "on", "off"] = Field(
-        "auto", description="decode-only steps replayed from CUDA graphs, one per bucket of rows (cuda_graphs.py): "
+        "auto", description="decode-only steps replayed from CUDA graphs, one per bucket of rows (fast/cuda_graphs.py): "
                             "auto = on where the pool is on a GPU and attention is flex | on | off")
 
     @model_validator(mode="after")
@@ -122,15 +86,10 @@ class SchedulerOptions(BaseSettings):
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.kv_policy)
 
 
-PAGED_FIELDS = ("block_tokens",)  # the pool knobs whose default this chapter measured (the settings tests hold the rest equal)
-
-
 class PagedPoolOptions(PoolOptions):
-    """Chapter 4's pool knobs, with the block size this chapter measured, as chapter 6 retunes chapter 3's
-    batcher: a decode step reads every running sequence's blocks from memory, and one core reads a few
-    long runs faster than many short ones scattered over the pool
-    (``benchmarks/studies/kernel_floor/``, ``benchmarks/reference/cpu/ch08/side-by-side-avx2-blocks/``). vLLM's CPU
-    backend uses 128 with its own kernels. The price is coarser prefix sharing (whole blocks only)."""
+    """Chapter 4's pool knobs with this chapter's block size (RESULTS.md, "The block size"): a decode step reads every
+    running sequence's blocks, and a core reads a few long runs faster than many short scattered ones; the price is
+    coarser prefix sharing (whole blocks only)."""
 
     block_tokens: int = Field(128, ge=1, description=PoolOptions.model_fields["block_tokens"].description)
 
@@ -194,10 +153,10 @@ def build_backend(settings: ContinuousSettings, loaded: LoadedModel,
                              lambda: GatherAttention(store), "attention is gather, not warmed up")
     scheduler = ContinuousScheduler(store, settings.scheduler_config())
     model = wrap_model(model) if wrap_model else model
-    runner = ModelRunner(model, store, attention, recorded_decodes(settings.cuda_graphs, model, store, attention, settings.max_num_seqs))
+    runner = model_runner(settings.cuda_graphs, model, store, attention, settings.max_num_seqs)
     description = {"model": loaded.source, "kv_policy": settings.kv_policy, "prefix_caching": settings.prefix_caching, "pool_rule": plan.rule,
                    "engine": step_engine.describe(), "attention": attention.name, "kv_cache_dtype": dtype_name,
-                   "cuda_graphs": runner.graphs is not None}
+                   "cuda_graphs": isinstance(runner, GraphedModelRunner)}
     step_thread = (TracedStepThread if settings.otlp_endpoint else StepThread)(runner, scheduler, settings.stream_interval)
     return ContinuousBackend(step_thread, settings.max_queue, description)
 

@@ -1,26 +1,7 @@
-"""The step thread: chapter 3's step loop turned by ONE dedicated thread, fed from the event loop.
+"""The step thread: ONE thread turns chapter 3's step loop over the scheduler, fed from the event loop, never touching asyncio.
 
-The event loop never computes and the step thread never touches asyncio objects directly:
-
-- the loop hands work over with :meth:`StepThread.submit` and :meth:`StepThread.cancel`, which put
-  it in an inbox under a lock and wake the thread (a condition variable: an idle step thread sleeps, it
-  does not poll);
-- between two steps the thread moves the inbox into the scheduler, aborts what was cancelled (a
-  client gone, a deadline passed: chapter 7's shell decides; the blocks are free before the next
-  step is planned), and turns chapter 3's loop once (schedule, execute, update), timing each phase
-  (:class:`~chapters.ch08_continuous_batching.continuous_metrics.StepClock`: the scheduler's own cost
-  must stay small and visible);
-- what a step produced (new tokens, finished sequences) is handed back to the loop in ONE
-  ``loop.call_soon_threadsafe`` per step, where each request's stream receives it
-  (:mod:`~chapters.ch08_continuous_batching.request_stream`, the output side).
-
-While someone watches chapter 3's live page (``/ui/``), the thread also publishes one ``step`` event
-per step, at most ``MAX_EVENTS_PER_S`` a second
-(:mod:`~chapters.ch08_continuous_batching.live_steps`); nobody watching costs one check.
-
-A failing step fails exactly the sequences it computed (500, ``batch_failed``), frees their blocks,
-and the loop goes on.
-"""
+Between two steps it takes what :meth:`StepThread.submit` and :meth:`StepThread.cancel` queued; a step's output reaches the loop
+in ONE ``loop.call_soon_threadsafe``. A failing step fails exactly the sequences it computed (500, ``batch_failed``)."""
 
 from __future__ import annotations
 
@@ -85,8 +66,6 @@ class StepThread:
         if self._thread is not None:
             self._thread.join()
 
-    # -- the thread ---------------------------------------------------------------------------
-
     def _run(self) -> None:
         scheduler = self.scheduler
         while True:
@@ -144,4 +123,3 @@ class StepThread:
         events = self._listener.take()
         if events and self._loop is not None:
             self._loop.call_soon_threadsafe(deliver, events)
-

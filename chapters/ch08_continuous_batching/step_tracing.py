@@ -1,10 +1,5 @@
-"""The engine's side of a request's trace: its queue wait, its prefill chunks and its decode steps, from the step thread.
-
-:class:`TracedStepThread` is chapter 8's step thread, built instead of the plain one when
-``--otlp-endpoint`` is given (:mod:`~chapters.ch08_continuous_batching.server`); the spans hang
-from the shell span of :mod:`~chapters.ch08_continuous_batching.tracing`, which holds no engine
-code, so chapter 9's proxy can trace its edge without importing torch.
-"""
+"""The engine's side of a request's trace, from the step thread: its queue wait, prefill chunks and decode steps, under the
+shell span of :mod:`.tracing`; built instead of the plain step thread with ``--otlp-endpoint``."""
 
 from __future__ import annotations
 
@@ -33,14 +28,7 @@ class _SequenceTrace:
 
 
 class TracedStepThread(StepThread):
-    """Chapter 8's step thread, also recording each traced request's queue wait, prefill chunks and decode steps.
-
-    A sequence is traced when it was submitted inside a request that
-    :class:`~chapters.ch08_continuous_batching.tracing.TracedRequests` traces (chapter 7's readiness
-    probe is not). The step thread makes the queue and chunk spans as the steps
-    end; the decode span is made on the event loop once the sequence has ended (the step thread
-    no longer touches it then).
-    """
+    """The step thread, also tracing sequences of a traced request: queue and chunk spans per step, decode once it ended."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -1,20 +1,6 @@
-"""Stop strings (OpenAI's ``stop``): end a completion where its TEXT first contains one of them.
-
-A stop string is text, not a token: with the byte tokenizer every character of ``"\\n\\n"`` is its
-own token, and with word pieces a stop may start in the middle of one. So after every token of a
-request that asked, the check searches the answer's text, only where a stop could newly appear: the
-text that token added (decoded incrementally, as a stream's :class:`~chapters.ch08_continuous_batching.streaming.TextDelta`
-does) and the few characters before it that a stop may start in. Decoding and searching the whole
-answer at every token would cost time growing with the answer, a whole answer's worth quadratic.
-
-- The sequence ends as soon as a stop appears (``finish_reason`` "stop"); its blocks are free
-  before the next step, like any finished sequence's.
-- The stop string and anything after it are not returned: not in the text, and no log-probabilities
-  for a token whose text starts at or after the stop (one the stop cuts through keeps its entry).
-  ``usage`` still counts every token generated, as vLLM's does: each was computed.
-- A stream must not send text that may turn out to be the start of a stop: :class:`StopText`
-  holds back the end of the text that is a prefix of a stop until the next token decides.
-"""
+"""Stop strings (OpenAI's ``stop``): end a completion where its text first contains one; a stop is text, not a token, so after
+each token only the text it added (and the few characters before it a stop may start in) is decoded and searched. The stop and
+what follows are not returned, nor log-probabilities of tokens starting at or after it; ``usage`` counts every token generated."""
 
 from __future__ import annotations
 
@@ -42,11 +28,7 @@ def undecided_tail(text: str, stops: tuple[str, ...]) -> int:
 
 
 class StopStrings:
-    """The stop condition a sequence carries into the scheduler: has the decoded answer reached a stop?
-
-    One per sequence: it remembers the answer's text so far (the last few characters of it), so
-    each call decodes and searches only what the new tokens added.
-    """
+    """A sequence's stop condition (one per sequence): each call decodes and searches only what the new tokens added."""
 
     def __init__(self, stops: tuple[str, ...], tokenizer: Tokenizer) -> None:
         if not stops or len(stops) > MAX_STOPS or any(not stop for stop in stops):
@@ -79,13 +61,8 @@ class EndOfTurn:
 
 
 class StopText:
-    """The answer's text as it may be shown: up to the first stop, never a character that a stop may still claim.
-
-    :meth:`add` takes each new token and returns the text that became safe to send; :meth:`finish`
-    returns the rest of what is shown (nothing past a stop). The pieces add up to :func:`visible_text`.
-    Like :class:`StopStrings`, it decodes only the new tokens, and it searches only the text not sent
-    yet: a stop never starts in sent text, since the end of the text that could begin one is held back.
-    """
+    """The answer's text as it may be shown: :meth:`add` returns the text a token made safe to send (never a character a stop
+    may still claim), :meth:`finish` the rest up to the first stop; the pieces add up to :func:`visible_text`."""
 
     def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...] = ()) -> None:
         self.stops = stops
@@ -115,8 +92,7 @@ class StopText:
     def _take(self, final: bool) -> str:
         if self.stopped_at is not None:
             return ""
-        # What the decoder holds back (it ends in U+FFFD, an incomplete character) is searched too, as a
-        # decode of every token would be: a stop found there ends the text, and what precedes it is sent.
+        # The decoder's held-back text (ending in U+FFFD) is searched too, as a decode of every token would be.
         text = self._unsent + self._text.held
         stop = first_stop(text, self.stops)
         if stop is not None:
@@ -129,11 +105,7 @@ class StopText:
 
 
 class ShownTokens:
-    """A stream's per-token items (log-probabilities) released with the text they belong to.
-
-    An item waits while its token's text is held back (it may be the start of a stop), goes out once
-    any of that text has been sent, and never goes out for a token that starts at or after a stop.
-    """
+    """A stream's per-token items, released with their token's text; never for a token starting at or after a stop."""
 
     def __init__(self, text: StopText) -> None:
         self.text, self._held = text, []

@@ -1,30 +1,6 @@
-"""Server-sent events: one event per token, as the engine produces them.
-
-The wire format (``text/event-stream``, the WHATWG HTML standard's) is lines of ``field: value``
-ending with a blank line. The project's ``/v1/inference`` with ``"stream": true`` sends
-
-    event: token            one per generated token
-    data: {"token_id": 72, "text": "H"}
-
-    event: done             last: the same JSON as the non-streaming answer
-    data: {"request_id": ..., "output_ids": [...], "text": ..., "usage": {...}, "timings_ms": {...}}
-
-or, if the request ends badly after the stream started (deadline, failed step), ``event: error``
-with the contract's error body. Errors found before the first byte (invalid fields, 429) are
-ordinary JSON answers with their status: an HTTP status can only be sent before the stream starts.
-
-Text arrives token by token, but a token may be part of a UTF-8 character (the byte tokenizer) or
-of a word piece: :class:`TextDelta` holds back a trailing incomplete character, so the concatenated
-deltas equal the final text (a character still incomplete when the answer ends is in the ``done``
-event's text only), and it decodes only the few tokens since the last complete character, so a
-token's text costs the same at the thousandth token as at the first.
-
-Every event is its own write on the event loop (the shell's, Starlette's and uvicorn's layers and
-one socket write), and streamed answers pay that per token. ``stream_interval`` N above 1 (vLLM's
-and SGLang's ``--stream-interval``) keeps the events, one per token, and groups them into writes
-(:class:`EventRuns`): the first token's event at once, then N events per write, the rest with the
-last. The client reads the same events, in bursts.
-"""
+"""Server-sent events for streamed ``/v1/inference``: ``event: token`` per token (``{"token_id": 72, "text": "H"}``), then
+``event: done`` with the plain answer's JSON, or ``event: error`` with the error body for a failure after the stream started
+(before it: an ordinary JSON error with its status). The texts concatenate to the final text."""
 
 from __future__ import annotations
 
@@ -49,24 +25,13 @@ def sse(data: dict | str, event: str | None = None) -> bytes:
 
 
 def token_event(token_id: int, text: str) -> bytes:
-    """``sse({"token_id": token_id, "text": text}, event="token")``, the same bytes, from a template.
-
-    The one event sent per token per stream, on the event loop that every request shares:
-    ``json.dumps`` of a dict builds an encoder per call, while a string alone takes its C fast path.
-    """
+    """``sse({"token_id": token_id, "text": text}, event="token")``, the same bytes, encoding only the string (a C fast path)."""
     return f'event: token\ndata: {{"token_id":{int(token_id)},"text":{json.dumps(text)}}}\n\n'.encode()
 
 
 class TextDelta:
-    """The new text each token adds, never splitting a character (U+FFFD at the end means: not yet).
-
-    Decoding the whole answer again for every token would cost time growing with the answer (and a
-    whole answer's worth, quadratic); like vLLM's incremental detokenizer, this decodes a window:
-    the tokens whose text was handed out last (``ids[prefix:read]``, context for tokenizers whose
-    pieces read differently after others) and those after them. The new text is what the window
-    adds to its first part. The window moves on only when its text ends in a whole character, so
-    the decoder starts every window clean.
-    """
+    """The new text each token adds, never splitting a character (U+FFFD at the end means: not yet). It decodes a window, the
+    tokens last handed out (``ids[prefix:read]``, context) and those after, moved on once its text ends in a whole character."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -94,12 +59,7 @@ class TextDelta:
 
 
 class EventRuns:
-    """A stream's token events grouped into writes: the first alone, then ``stream_interval`` per write.
-
-    The step thread hands a sequence's tokens to the loop in the same runs
-    (:class:`~chapters.ch08_continuous_batching.request_stream.StreamListener`), so a write goes out as
-    soon as the run that completes it arrives. Whatever is held goes out with the stream's last event.
-    """
+    """A stream's events grouped into writes: the first alone, then ``stream_interval`` per write, the rest with the last."""
 
     def __init__(self, stream_interval: int = 1) -> None:
         if stream_interval < 1:
@@ -123,9 +83,7 @@ class EventRuns:
 
 
 def write_sse_stream(tokens: AsyncIterator[int | Generated], request: StreamedRequest, stream_interval: int = 1) -> StreamingResponse:
-    """Chapter 2's :data:`~chapters.ch02_fastapi_async.api.StreamWriter` for ``/v1/inference``: the
-    backend's events as server-sent events (``token`` per token, then ``done`` or ``error``), written
-    in runs of ``stream_interval`` after the first (:class:`EventRuns`)."""
+    """Chapter 2's ``StreamWriter`` for ``/v1/inference``: ``token`` events, ``done`` or ``error``, in :class:`EventRuns`."""
     return StreamingResponse(_inference_events(tokens, request, stream_interval), media_type="text/event-stream",
                              headers={**SSE_HEADERS, REQUEST_ID_HEADER: request.request_id})
 

@@ -1,28 +1,6 @@
-"""Follow one request: one OpenTelemetry trace per request, sent over OTLP/HTTP to a collector you name.
-
-``--otlp-endpoint URL`` (``SFS_OTLP_ENDPOINT``) turns it on; a trace then holds, for each request:
-
-- the SHELL span (:class:`TracedRequests`, an ASGI middleware around chapter 7's shell): from the
-  request's arrival to its last byte, with an ``admitted`` event when chapter 4's admission let it in
-  (a 429 is a shell span with nothing under it). Its parent is the caller's span when the request
-  carries a W3C ``traceparent`` header (chapter 9's edge sends one);
-- under it, from the step thread (:class:`~chapters.ch08_continuous_batching.step_tracing.TracedStepThread`): ``queue`` (arrival to the first step
-  that computed any of it), one ``prefill chunk`` span per chunk (the step it shared, how many
-  tokens, how many decode rows rode along), and ONE ``decode`` span for all the decode steps it took
-  part in (how many, how full they were), not a span per token;
-- ``answer``: from the response's first byte to its last (a stream's whole life; a JSON body's write).
-
-Every span carries the request id (``request.id``, chapter 7's ``X-Request-ID``), and chapter 7's
-JSON request log line carries ``trace_id`` and ``span_id``: a log line leads to its trace.
-
-Spans are batched and exported off the request path by the SDK's ``BatchSpanProcessor``; the step
-thread only creates spans (the SDK's tracer is thread-safe) and never touches the event loop. With
-no endpoint nothing here runs: :mod:`~chapters.ch08_continuous_batching.server` builds the plain
-step thread and adds no middleware, and no OpenTelemetry SDK or exporter is imported (every import
-of OpenTelemetry below is inside a function that only tracing calls). This module holds no engine
-code (the step thread's side is :mod:`~chapters.ch08_continuous_batching.step_tracing`), so chapter
-9's proxy can trace its edge with it without importing torch.
-"""
+"""One OpenTelemetry trace per request, exported over OTLP/HTTP to ``--otlp-endpoint``: the shell span (its parent the caller's
+W3C ``traceparent``), the engine's spans (:mod:`.step_tracing`) and ``answer``, each with ``request.id``; the request log line
+names ``trace_id`` and ``span_id``. OpenTelemetry is imported only when tracing, engine code never (chapter 9's edge uses it)."""
 
 from __future__ import annotations
 
@@ -49,24 +27,18 @@ def traces_url(endpoint: str) -> str:
 
 
 class Tracing:
-    """One process's tracer: a ``TracerProvider`` exporting to ``endpoint`` through a ``BatchSpanProcessor``.
-
-    Not the global provider: each is its own, so a test (or a process holding two apps) can send to
-    two collectors. :meth:`flush` exports what is buffered now; the SDK also does so when the
-    process exits.
-    """
+    """A tracer with its own ``TracerProvider`` (a process may send to two collectors), batching spans to ``endpoint``."""
 
     def __init__(self, endpoint: str, service_name: str) -> None:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
         self.endpoint = traces_url(endpoint)
         self.provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
         self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=self.endpoint)))
         self.tracer = self.provider.get_tracer(__name__)
-        # The engine times with perf_counter; spans want epoch nanoseconds. One offset, taken once.
+        # The engine times with perf_counter; spans want epoch nanoseconds.
         self._epoch_minus_perf_ns = time.time_ns() - time.perf_counter_ns()
 
     def epoch_ns(self, perf_s: float) -> int:
@@ -81,9 +53,6 @@ class Tracing:
 def tracing_for(endpoint: str, service_name: str = SERVER_SERVICE) -> Tracing:
     """The process's :class:`Tracing` for ``endpoint`` (one per endpoint and service)."""
     return Tracing(endpoint, service_name)
-
-
-# -- the request: the shell span, and what the engine's spans hang from --------------------------
 
 
 @dataclass
@@ -105,7 +74,6 @@ class RequestTrace:
                                               attributes={REQUEST_ID_ATTRIBUTE: self.request_id, **(attributes or {})})
         if error is not None:
             from opentelemetry.trace import Status, StatusCode
-
             span.set_status(Status(StatusCode.ERROR, error))
         span.end(end_time=self.tracing.epoch_ns(end_s))
 
@@ -114,11 +82,7 @@ current_request_trace: ContextVar[RequestTrace | None] = ContextVar("current_req
 
 
 class TracedRequests:
-    """ASGI middleware: the shell span of each request to ``paths`` and its ``answer`` span.
-
-    The span is the current one while the app runs, so chapter 7's request log line (written in the
-    same task) names its trace, and the traced step thread finds it in :data:`current_request_trace`.
-    """
+    """ASGI middleware: a shell span per request to ``paths``, current while the app runs, and its ``answer`` span."""
 
     span_prefix = ""
     answer_span = True  # chapter 9's edge has none: the replica's shell says when its answer went
@@ -132,7 +96,6 @@ class TracedRequests:
             return
         from opentelemetry import context, propagate, trace
         from opentelemetry.trace import SpanKind, Status, StatusCode
-
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         parent = propagate.extract(headers)  # the caller's span, from W3C traceparent (none: a new trace)
         span = self.tracing.tracer.start_span(f"{self.span_prefix}{scope['method']} {scope['path']}", context=parent,
@@ -192,16 +155,12 @@ class _Answer:
                 self.ended = time.perf_counter()
 
 
-# -- log lines ------------------------------------------------------------------------------------
-
-
 class TraceIdsInLogLines(logging.Filter):
     """Adds ``trace_id`` and ``span_id`` (hex, as Jaeger shows them) to a record written inside a traced request."""
 
     def __init__(self) -> None:
         super().__init__()
         from opentelemetry import trace
-
         self.current_span = trace.get_current_span
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -214,9 +173,5 @@ class TraceIdsInLogLines(logging.Filter):
 
 @functools.cache
 def log_trace_ids(logger_name: str) -> None:
-    """Records of ``logger_name`` name the trace they were written in (a filter on that logger, once per process).
-
-    A logger's own filter, not a handler's: chapter 7's request log line is written by its own logger,
-    whatever handlers the process has (``configure_json_logging``'s, or a test's).
-    """
+    """Records of ``logger_name`` name their trace: a filter on the logger (whatever its handlers), added once per process."""
     logging.getLogger(logger_name).addFilter(TraceIdsInLogLines())

@@ -1,10 +1,4 @@
-"""A Ray cluster on this machine, on loopback only, and Serve's HTTP proxy on the server's address.
-
-``ray.init(address="local")`` starts a head node in this process's session: the GCS, a raylet, the
-object store and the workers, all stopped by :func:`local_cluster` on the way out. Ray listens on
-the node's address, so it is set to 127.0.0.1 here; without it, Ray picks the machine's network
-address. The dashboard (about 1 GB of memory) stays off unless asked for.
-"""
+"""A Ray cluster on this machine, on loopback only (or one joined by address), and Serve's HTTP proxy on the server's address."""
 
 from __future__ import annotations
 
@@ -23,11 +17,8 @@ log = logging.getLogger("chapters.ch09_scale_out.cluster")
 @contextmanager
 def local_cluster(host: str, port: int, cpus: float | None = None, address: str = "",
                   dashboard: bool = False, log_to_driver: bool = True) -> Iterator[None]:
-    """Start (or join, with ``address``) a Ray cluster and Serve's proxy on ``host:port``; stop both on exit.
-
-    ``cpus``: the CPUs Ray may hand out (default: this machine's); replicas reserve ``--replica-cpus`` each.
-    ``log_to_driver``: relay every Ray process's output to this one's (off: only in the session's log files).
-    """
+    """Start (or join, with ``address``) a Ray cluster and Serve's proxy on ``host:port``; stop both on exit. ``cpus``: what
+    Ray may hand out (default: this machine's); ``log_to_driver``: relay every Ray process's output here, else to its logs."""
     if address:
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=log_to_driver)
     else:

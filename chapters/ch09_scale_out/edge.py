@@ -1,31 +1,9 @@
-"""The contract at the edge: what a client sees when Serve answers for the replicas, or a replica dies.
+"""The contract at the edge: what a client sees when Serve's proxy answers for the replicas, or a replica dies.
 
-Behind Serve's HTTP proxy, chapter 8's app answers every request it receives with the project's
-contract. Some answers never reach it. The proxy refuses on its own (no route: 404; its queue full or
-no replica up: 503; past its request timeout: 408), and its body is plain text. When the replica
-holding a request dies (its process killed, the machine gone), the proxy ends the request without
-a word: the client gets uvicorn's plain-text 500, or, when the answer was a stream, a stream that
-stops without an error event.
-
-:class:`ContractAtTheEdge` is an ASGI middleware on the proxy itself, through Serve's hook for
-that (``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` names :func:`proxy_middlewares`; this package
-sets it before Ray starts, and ``deploy/`` sets it for a cluster). It keeps the contract:
-
-- a plain-text error of Serve's becomes the contract's JSON, with the same status and headers
-  (503s gain the ``Retry-After`` every other 503 of the project sends);
-- a request whose replica ended it before sending a byte is sent again, once: nothing of it reached
-  the client, and with greedy decoding the second run answers exactly what the first would have
-  (Envoy's ``retry_on: reset`` is the same rule). The body is kept for that replay up to
-  ``REPLAY_LIMIT_BYTES``; a larger one, or a client that has gone, is not replayed. A replayed
-  answer says so in its headers (``X-Attempts: 2``), so a client or a drill can count replays.
-  Having read the body, the edge also writes the request's token budget into its headers for the
-  router (:mod:`~chapters.ch09_scale_out.routing`);
-- if that fails too, the client gets the contract's JSON 500 ``replica_failed``; a stream that was
-  cut gets its closing error event (``event: error`` on ``/v1/inference``, OpenAI's
-  ``data: {"error": ...}`` on the OpenAI routes) and a proper end;
-- every answer leaves with one ``X-Request-ID`` (Serve's proxy adds its own to the app's:
-  :func:`one_request_id`).
-"""
+:class:`ContractAtTheEdge`, in Serve's proxy (:func:`proxy_middlewares`), turns Serve's plain-text errors into the contract's
+JSON (a 503 gains ``Retry-After``); sends a request whose replica ended it before a byte once more (greedy decoding answers the
+same) if its body fitted in ``REPLAY_LIMIT_BYTES`` and its client stayed (``X-Attempts: 2``), else answers the JSON 500
+``replica_failed`` or ends a cut stream with its error event. Every answer leaves with one ``X-Request-ID``."""
 
 from __future__ import annotations
 
@@ -43,7 +21,6 @@ from chapters.ch09_scale_out.stopping import DrainAtTheEdge
 from shared.schemas import error_body
 
 log = logging.getLogger("chapters.ch09_scale_out.edge")
-
 REPLAY_LIMIT_BYTES = 1 << 20  # a request body kept for one replay; the contract's bodies are far smaller
 SERVE_ERROR_TYPES = {404: "not_found", 408: "deadline_exceeded", 429: "overloaded", 500: "replica_failed", 503: "unavailable"}
 ATTEMPTS_HEADER = b"x-attempts"
@@ -53,17 +30,13 @@ REPLICA_FAILED = "the replica serving this request stopped before it finished (i
 
 
 def proxy_middlewares() -> list[Middleware]:
-    """Serve's proxy calls this (``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``) for the middlewares around it.
-
-    Serve wraps them in order, so the last is outermost: the drain (:mod:`~chapters.ch09_scale_out.stopping`)
-    counts a request from arrival to its last byte, replays included.
-    """
+    """The middlewares around Serve's proxy (``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` names this), the last outermost:
+    the drain (:mod:`~chapters.ch09_scale_out.stopping`) counts a request from arrival to its last byte, replays included."""
     return [Middleware(ContractAtTheEdge), Middleware(DrainAtTheEdge), *traced_edge()]
 
 
 def traced_edge() -> list[Middleware]:
-    """The edge span, outermost, and inside it the span's context put on the request for its replica, when
-    ``SFS_OTLP_ENDPOINT`` names a collector (chapter 9's ``main`` sets it for its cluster)."""
+    """The edge span (outermost) and, inside it, its context put on the request, when ``SFS_OTLP_ENDPOINT`` names a collector."""
     endpoint = os.environ.get(OTLP_ENDPOINT_ENV, "")
     if not endpoint:
         return []
@@ -71,20 +44,14 @@ def traced_edge() -> list[Middleware]:
 
 
 class TraceAtTheEdge(TracedRequests):
-    """Chapter 8's request span, as the edge's, in the proxy's process; its context goes on to the replica.
-
-    Serve's proxy hands the replica the request's ASGI scope, headers and all, so the W3C
-    ``traceparent`` header added here reaches chapter 8's shell, whose span becomes this one's child:
-    one trace across the two processes, a replayed request's two attempts under one edge span.
-    """
-
+    """Chapter 8's request span, as the edge's, in the proxy's process: the replica's span (chapter 8's shell) is its child
+    through the ``traceparent`` header, one trace across the two processes, a replay's two attempts under one edge span."""
     span_prefix = "edge "
     answer_span = False
 
 
 class TraceContextToReplica:
     """ASGI middleware inside the edge span: the request goes on to its replica carrying the span's context."""
-
     def __init__(self, app) -> None:
         self.app = app
 
@@ -93,27 +60,20 @@ class TraceContextToReplica:
 
 
 def with_trace_context(scope: dict) -> dict:
-    """``scope`` with the current span's context in its headers, as W3C ``traceparent`` (and ``tracestate``),
-    replacing any the client sent; every other header kept, in order. No current span: no header added.
-
-    A span's parent crosses a process only in what the request carries: the replica's shell reads this
-    header (``propagate.extract``) and opens its span as this one's child.
-    """
+    """``scope`` with the current span's context as W3C ``traceparent`` (and ``tracestate``) headers, replacing any the client
+    sent, for the replica's span to be this one's child; every other header kept, in order; no current span, none added."""
     from opentelemetry import propagate
-
     # EXERCISE ch09.4 BEGIN "a span's parent across a process: the current trace context into the request's headers"
     carrier: dict[str, str] = {}
     propagate.inject(carrier)  # the configured propagator writes the current context: W3C trace context by default
     names = {name.lower().encode() for name in carrier} | {b"traceparent", b"tracestate"}
     headers = [(k, v) for k, v in scope.get("headers", []) if bytes(k).lower() not in names]
     return {**scope, "headers": [*headers, *((k.encode("latin-1"), v.encode("latin-1")) for k, v in carrier.items())]}
-    # EXERCISE ch09.4 END
 
 
 @dataclass
 class _Attempt:
     """What one pass through the proxy sent to the client."""
-
     started: bool = False
     finished: bool = False
     event_stream: bool = False
@@ -123,7 +83,6 @@ class _Attempt:
 
 class _ReplayableBody:
     """The request body, read before the proxy routes the request: for its token budget and for a replay."""
-
     def __init__(self, receive) -> None:
         self.receive = receive
         self.messages: list[dict] = []
@@ -162,19 +121,12 @@ class _ReplayableBody:
             message = await self.receive()
             self.disconnected |= message["type"] == "http.disconnect"
             return message
-
         return receive
 
 
 def one_request_id(headers: list) -> list:
-    """The answer's headers with one ``X-Request-ID``: the first, which is the app's own.
-
-    Serve's proxy wraps every app in its ``RequestIdMiddleware``, which appends its own ``X-Request-ID``
-    to the app's answer; chapter 7's app already sends one. The two agree when Serve's id (the
-    client's, or one Serve made) is a token chapter 7 accepts, and differ when chapter 7 replaced a
-    client's odd one. The app's is the one its body and its JSON log lines name, and it comes first
-    because Serve appends; Serve's own refusals carry only Serve's.
-    """
+    """The answer's headers with one ``X-Request-ID``: the first, the app's own, which its body and log lines name (Serve's
+    proxy appends its own, which differs where chapter 7 replaced a client's odd id; Serve's refusals carry only Serve's)."""
     kept, seen = [], False
     for name, value in headers:
         if bytes(name).lower() == REQUEST_ID_HEADER:
@@ -196,7 +148,6 @@ def with_token_budget(scope: dict, body: bytes | None) -> dict:
 
 class ContractAtTheEdge:
     """Middleware around Serve's proxy: the contract's JSON errors, one replay when a replica died first."""
-
     def __init__(self, app) -> None:
         self.app = app
 
@@ -219,7 +170,6 @@ class ContractAtTheEdge:
         elif attempt.event_stream:
             await send({"type": "http.response.body", "body": _stream_error(scope["path"]), "more_body": False})
         # else: a JSON body cut half-way; ending it would pass off a truncated body as whole
-        # EXERCISE ch09.2 END
 
     async def _attempt(self, scope, receive, send, number: int) -> _Attempt:
         attempt = _Attempt()

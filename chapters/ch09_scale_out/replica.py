@@ -1,29 +1,7 @@
-"""One replica: chapter 8's whole server (production shell, continuous backend, streaming, OpenAI
-routes) built inside a Ray Serve deployment, behind Serve's HTTP proxy.
+"""One replica: chapter 8's whole server built inside a Ray Serve deployment, behind Serve's HTTP proxy.
 
-Serve owns the process, the HTTP front door and the routing between replicas; inside a replica the
-request meets the same FastAPI app that ``python -m chapters.ch08_continuous_batching`` serves, so
-one replica answers exactly as chapter 8 does. What Serve needs from it, and where each comes from:
-
-- **how many requests it may hold** (``max_ongoing_requests``): what chapter 8's scheduler runs at
-  once plus what its admission lets wait (``max_num_seqs + max_queue``), not Serve's default of 5,
-  which would cap a continuous batch at 5 rows. Past that, Serve keeps a request at the proxy
-  (``max_queued_requests``) and hands it to the first replica with room, instead of one replica
-  refusing while another idles;
-- **whether it is healthy** (``check_health``): chapter 7's readiness, a real request through the
-  model. Serve has no "alive but not ready" state: a replica whose probe fails is replaced (one whose
-  probe is only slow, a busy replica, not before ``SLOW_PROBE_GRACE_S``);
-- **how many**: ``--num-replicas`` for the load, plus ``--spare-replicas`` warm spares (one by
-  default: a replacement's start takes longer than the seconds a killed replica's load may wait,
-  so capacity is kept, not rebuilt; ``--spare-replicas 0`` on a machine without room). A spare is not
-  held back: Serve's router spreads requests over every replica, so each holds a little less, and
-  when one dies the rest still add up to what the load needs while Serve starts its replacement
-  (a new process, its imports and chapter 8's start-up);
-- **how it stops**: Serve stops routing to a replica, waits up to ``graceful_shutdown_timeout_s``
-  (chapter 7's ``--drain-timeout-s``) for its requests, then shuts the app down; the app's drain
-  runs first (readiness 503, new requests 503 + ``Retry-After``, wait for those in flight), exactly
-  as on SIGTERM in chapter 7.
-"""
+A replica answers exactly as chapter 8 does. Serve's options (:func:`deployment_options`) come from chapter 8's limits and
+chapter 7's drain; its health is chapter 7's readiness (:func:`replica_health`); it stops by chapter 7's drain."""
 
 from __future__ import annotations
 
@@ -39,22 +17,17 @@ from chapters.ch07_production.drain import DrainController
 from chapters.ch07_production.request_log import configure_json_logging
 from chapters.ch07_production.server import ProductionBackend
 from chapters.ch08_continuous_batching.server import ContinuousSettings, build_app
+from chapters.ch09_scale_out.deployment_choice import agreed_build, choice_book, rules_left_open
 from chapters.ch09_scale_out.routing import request_router_config
 from shared.settings import ServerSettings
 
-
-# check_health reads chapter 7's last verdict (no model work), so asking often is free; it is also how
-# Serve's controller notices a replica whose process died, so the period bounds how long that takes.
-HEALTH_CHECK_PERIOD_S = 1.0
-# How long a replica's readiness probe may stay slow before Serve replaces it (replica_health).
-SLOW_PROBE_GRACE_S = 30.0
+HEALTH_CHECK_PERIOD_S = 1.0  # check_health reads chapter 7's last verdict (free); the period bounds how soon Serve sees a death
+SLOW_PROBE_GRACE_S = 30.0  # how long a replica's readiness probe may stay slow before Serve replaces it (replica_health)
 
 
 class ReplicaOptions(BaseSettings):
     """How many copies of chapter 8's server, what each reserves, how requests reach them, which cluster."""
-
     model_config = ServerSettings.model_config
-
     num_replicas: int = Field(1, ge=1, description="copies of chapter 8's server behind Serve's proxy (with --max-replicas: the fewest)")
     spare_replicas: int = Field(1, ge=0, description="warm spares: replicas running beyond --num-replicas (and autoscaling's fewest), so a "
                                 "killed replica's share is carried while its replacement starts; 0: none")
@@ -86,13 +59,11 @@ def autoscaling_config(settings: ContinuousSettings, options: ReplicaOptions) ->
         "min_replicas": fewest,
         "initial_replicas": fewest,
         "max_replicas": max(options.max_replicas, fewest),
-        # a replica holding a full batch is busy: past that, its requests queue (chapter 8's waiting)
-        "target_ongoing_requests": options.target_ongoing_requests or settings.max_num_seqs,
+        "target_ongoing_requests": options.target_ongoing_requests or settings.max_num_seqs,  # a full batch: past it, requests wait
         "upscale_delay_s": options.upscale_delay_s,
         "downscale_delay_s": options.downscale_delay_s,
         "look_back_period_s": options.autoscale_look_back_s,
-        # replicas report what they hold twice per window, so the average always has samples
-        "metrics_interval_s": min(10.0, options.autoscale_look_back_s / 2),
+        "metrics_interval_s": min(10.0, options.autoscale_look_back_s / 2),  # two reports per window: the average has samples
     }
 
 
@@ -101,29 +72,21 @@ def deployment_options(settings: ContinuousSettings, options: ReplicaOptions) ->
     scaling = autoscaling_config(settings, options)
     return {
         **({"autoscaling_config": scaling} if scaling else {"num_replicas": options.num_replicas + options.spare_replicas}),
-        "max_ongoing_requests": settings.max_num_seqs + settings.max_queue,
+        "max_ongoing_requests": settings.max_num_seqs + settings.max_queue,  # not Serve's 5, which would cap a batch at 5 rows
         "max_queued_requests": settings.max_queue,
         "graceful_shutdown_timeout_s": settings.drain_timeout_s,
         "health_check_period_s": HEALTH_CHECK_PERIOD_S,
         "request_router_config": request_router_config(options.router),
-        # chapter 7's request log already records each request; Serve's access log would say it again
-        "logging_config": {"log_level": settings.log_level.upper(), "enable_access_log": False},
-        # a scheduling unit for Ray, not a limit: the model's threads are --torch-threads
-        "ray_actor_options": {"num_cpus": options.replica_cpus},
+        "logging_config": {"log_level": settings.log_level.upper(), "enable_access_log": False},  # chapter 7 logs each request
+        "ray_actor_options": {"num_cpus": options.replica_cpus},  # a scheduling unit for Ray, not a limit: see --torch-threads
         **({"max_replicas_per_node": options.max_replicas_per_node} if options.max_replicas_per_node else {}),
     }
 
 
 def replica_health(backend: ProductionBackend, unready_for_s: float = 0.0) -> None:
-    """Raise when chapter 7's readiness says the replica cannot serve (Serve then replaces it).
-
-    Not yet probed (start-up) and draining (Serve is already stopping it) count as healthy. So does a
-    probe that is only slow (it timed out, or the previous one is still running) for less than
-    ``SLOW_PROBE_GRACE_S`` (``unready_for_s``: since the last ready verdict): on a busy machine that is
-    load, and Serve, which has no "alive but not ready", would kill the replica when its capacity is
-    needed most, and its replacement, starting on the same busy cores, the same way. A probe that
-    failed, or one slow past the grace, is a replica a restart may fix.
-    """
+    """Raise when chapter 7's readiness says the replica cannot serve (Serve then replaces it). Healthy: not yet probed,
+    draining, or a probe only slow for less than ``SLOW_PROBE_GRACE_S`` since the last ready verdict (``unready_for_s``):
+    on a busy machine slowness is load, and Serve has no "alive but not ready"."""
     ready, reason = backend.readiness()
     if ready or backend.drain.draining or backend.probe.last is None:
         return
@@ -135,7 +98,6 @@ def replica_health(backend: ProductionBackend, unready_for_s: float = 0.0) -> No
 
 class DrainBeforeShutdown:
     """An ASGI app that runs chapter 7's drain when the server around it shuts the app down, then the app's own shutdown."""
-
     def __init__(self, app, drain: DrainController) -> None:
         self.app, self.drain = app, drain
 
@@ -149,22 +111,14 @@ class DrainBeforeShutdown:
             if message["type"] == "lifespan.shutdown":
                 await self.drain.drain()
             return message
-
         await self.app(scope, receive_after_draining, send)
 
 
 def bind_replica_grpc_to_node_address() -> None:
-    """Make this replica's internal gRPC server listen on the node's address, not on every interface.
-
-    Ray Serve 2.60 starts one per replica (proxy-to-replica and replica-to-replica calls) on
-    ``[::]:0`` and has no setting for the address (ray-project/ray#59908 added it; #64623 adds a port
-    range, not an address). The node's address is what every other Ray server of the node listens
-    on: 127.0.0.1 on a single machine. Called in the replica's constructor, which Serve runs before
-    it starts that server; ``tests/test_ch09_scale_out.py`` checks every listening socket, so a Ray
-    that moves the call shows there.
-    """
-    from ray.serve._private import replica as serve_replica
-
+    """Make this replica's internal gRPC server listen on the node's address (127.0.0.1 on one machine, as Ray's other servers),
+    not on every interface: Serve starts it on ``[::]:0``, with no setting, after the replica's constructor, which calls this.
+    ``tests/test_ch09_scale_out.py`` checks every listening socket, so a Ray that moves the call shows there."""
+    from ray.serve._private import replica as serve_replica  # private: add_port_to_grpc_server is not public in ray.serve
     bind = getattr(serve_replica, "add_port_to_grpc_server", None)
     if bind is None or getattr(bind, "binds_node_address", False):
         return
@@ -172,7 +126,6 @@ def bind_replica_grpc_to_node_address() -> None:
 
     def bind_to_node(server, address: str) -> int:
         return bind(server, address.replace("[::]", f"[{node_address}]" if ":" in node_address else node_address, 1))
-
     bind_to_node.binds_node_address = True
     serve_replica.add_port_to_grpc_server = bind_to_node
 
@@ -181,14 +134,17 @@ def bind_replica_grpc_to_node_address() -> None:
 @serve.ingress()
 class ContinuousReplica:
     """Chapter 8's server as one Serve replica; the app is built in the replica's own process."""
-
     def __init__(self, settings: dict[str, Any]) -> None:
         bind_replica_grpc_to_node_address()
         self.settings = ContinuousSettings.model_validate(settings)
         configure_json_logging(self.settings.log_level)  # chapter 7's log lines, from the replica's process (Ray relays them)
 
     def __serve_build_asgi_app__(self):
-        self.server_app = build_app(self.settings)
+        if rules_left_open(self.settings):  # one choice for every replica: the first one's measurement
+            replica = serve.get_replica_context().replica_tag
+            self.server_app = agreed_build(self.settings, choice_book(self.settings), replica, build_app)
+        else:
+            self.server_app = build_app(self.settings)
         self.ready_at = time.monotonic()  # the last check_health that found it ready (or still starting)
         return DrainBeforeShutdown(self.server_app, self.server_app.state.drain)
 

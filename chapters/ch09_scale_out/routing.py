@@ -1,20 +1,8 @@
-"""Which replica gets a request: Serve's default against a router that counts tokens.
+"""Which replica gets a request: Serve's default (``pow2``) or a router that counts tokens (``least-tokens``).
 
-Serve's default (``pow2``): draw two replicas at random and send the request to the one with fewer
-requests in flight. It needs nothing from the request and no shared state, which is why it scales
-to many proxies; but "requests in flight" treats a 16-token answer and a 512-token answer as the
-same load, and a continuous batcher's step time grows with the tokens it holds, not with the
-count of its requests.
-
-``least-tokens`` (:class:`LeastOutstandingTokensRouter`) ranks replicas by the tokens they still
-owe: for each request sent to a replica and not finished, its prompt plus its ``max_new_tokens``
-(what it may cost; the real answer's length is unknown until it ends). The proxy's edge
-(:mod:`~chapters.ch09_scale_out.edge`) reads every body anyway (to replay it), so it writes that
-budget into the request's headers (``X-Token-Budget``); the router keeps a ledger per replica,
-adding a request's budget when it routes it and taking it back when Serve reports it complete.
-The ledger is exact for one proxy and local to it: with a proxy on every node, each routes by
-what it sent itself.
-"""
+``pow2``: of two replicas drawn, the one with fewer requests in flight. ``least-tokens`` (:class:`LeastOutstandingTokensRouter`):
+the replica owing the fewest tokens, each request counting its ``X-Token-Budget`` (written by
+:mod:`~chapters.ch09_scale_out.edge`) from routed to complete, by a ledger per proxy (each counts what it sent itself)."""
 
 from __future__ import annotations
 
@@ -22,23 +10,15 @@ import json
 import pickle
 from typing import Any
 
-from ray.serve._private.request_router.common import PendingRequest
-from ray.serve._private.request_router.replica_wrapper import RunningReplica
-from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 TOKEN_BUDGET_HEADER = b"x-token-budget"
 ROUTERS = ("pow2", "least-tokens")  # --router: Serve's default, or the ledger below
 
 
 def token_budget(body: bytes) -> int | None:
-    """The most tokens a request may cost a replica: its prompt plus the tokens it may generate.
-
-    ``/v1/inference`` (``input_ids`` or ``prompt``, ``max_new_tokens``) and the OpenAI routes
-    (``prompt``/``messages``, ``max_tokens``). A text prompt counts its UTF-8 bytes (the byte
-    tokenizer's length; an upper bound for word pieces). None when the body says nothing usable:
-    such a request is routed as the cheapest, and the replica answers it (with the contract's error
-    if it is invalid).
-    """
+    """The most tokens a request's body may cost a replica (``/v1/inference`` or OpenAI): prompt plus the tokens it may generate,
+    a text prompt counting its UTF-8 bytes (an upper bound for word pieces). None when unusable: routed as the cheapest."""
     # EXERCISE ch09.3 BEGIN "the token budget: a request's prompt plus what it may generate, from its body"
     try:
         request = json.loads(body)
@@ -59,7 +39,6 @@ def token_budget(body: bytes) -> int | None:
     if not isinstance(new_tokens, int) or isinstance(new_tokens, bool) or new_tokens < 0:
         return None
     return prompt_tokens + new_tokens
-    # EXERCISE ch09.3 END
 
 
 def budget_of(pending_request: PendingRequest | None) -> int:
@@ -84,7 +63,6 @@ def budget_of(pending_request: PendingRequest | None) -> int:
 
 class TokenLedger:
     """Tokens owed per replica: a request's budget from when it is routed until it completes."""
-
     def __init__(self) -> None:
         self.owed: dict[Any, int] = {}
         self.requests: dict[str, tuple[Any, int]] = {}  # request id -> (replica id, budget)
@@ -94,7 +72,6 @@ class TokenLedger:
         # EXERCISE ch09.1 BEGIN "the router's ledger: tokens owed per replica, the replica owing the fewest first"
         self.requests[request_id] = (replica_id, budget)
         self.owed[replica_id] = self.owed.get(replica_id, 0) + budget
-        # EXERCISE ch09.1 END
 
     def completed(self, request_id: str) -> None:
         """``request_id`` is over (answered or failed): its replica no longer owes its budget. Unknown ids are ignored."""
@@ -102,7 +79,6 @@ class TokenLedger:
         replica_id, budget = self.requests.pop(request_id, (None, 0))
         if replica_id is not None:
             self.owed[replica_id] -= budget
-        # EXERCISE ch09.1 END
 
     def forget(self, replica_id: Any) -> None:
         """A replica that died owes nothing; its requests are the edge's to replay or fail."""
@@ -113,12 +89,10 @@ class TokenLedger:
         """Replica ids, the one owing the fewest tokens first (ties keep the given order)."""
         # EXERCISE ch09.1 BEGIN "the router's ledger: tokens owed per replica, the replica owing the fewest first"
         return sorted(replica_ids, key=lambda r: self.owed.get(r, 0))
-        # EXERCISE ch09.1 END
 
 
 class LeastOutstandingTokensRouter(FIFOMixin, RequestRouter):
     """Serve request router: the replica that owes the fewest tokens first, by the proxy's own ledger."""
-
     def initialize_state(self, **kwargs) -> None:
         self.ledger = TokenLedger()
 

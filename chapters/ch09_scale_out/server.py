@@ -1,14 +1,7 @@
-"""Chapter 9: chapter 8's server past one process, on Ray Serve.
+"""Chapter 9's server: ``python -m chapters.ch09_scale_out`` runs chapter 8's server as ``--num-replicas`` Serve replicas.
 
-``python -m chapters.ch09_scale_out`` starts a Ray cluster on this machine (loopback only,
-:mod:`~chapters.ch09_scale_out.cluster`), Serve's HTTP proxy on ``--host``/``--port``, and
-``--num-replicas`` copies of chapter 8's server (:mod:`~chapters.ch09_scale_out.replica`). A request
-reaches the proxy, Serve's router picks a replica (by default: of two replicas drawn at random, the
-one with fewer requests in flight), and the replica answers as chapter 8 would, streams included.
-SIGTERM or Ctrl-C drains first at the edge (new requests get the contract's 503, those in flight
-finish and reach their clients), then the replicas, Serve's proxy and Ray stop
-(:mod:`~chapters.ch09_scale_out.stopping`).
-"""
+A Ray cluster on this machine (:mod:`~chapters.ch09_scale_out.cluster`), Serve's HTTP proxy on ``--host``/``--port`` and the
+replicas; SIGTERM or Ctrl-C drains at the edge first (:mod:`~chapters.ch09_scale_out.stopping`), then everything stops."""
 
 from __future__ import annotations
 
@@ -52,10 +45,8 @@ def build_application(settings: ScaleOutSettings):
 
 
 def app_builder(args: dict[str, object]):
-    """Serve's entry point for a config file (``serve run`` / ``serve deploy``, KubeRay's ``serveConfigV2``):
-    ``import_path: chapters.ch09_scale_out.server:app_builder`` with chapter 9's settings by name in ``args``
-    (the ``SFS_*`` environment fills the rest, as for the command line). A name chapter 9 does not have is
-    refused in one line: a misspelled ``num_replica`` would otherwise deploy the default quietly."""
+    """Serve's entry point for a config file (``serve run``/``serve deploy``, KubeRay's ``serveConfigV2``): chapter 9's
+    settings by name in ``args``, the ``SFS_*`` environment filling the rest; an unknown name is refused in one line."""
     if unknown := sorted(set(args) - set(ScaleOutSettings.model_fields)):
         raise ValueError(f"chapter 9's args: no setting named {', '.join(unknown)} "
                          "(python -m chapters.ch09_scale_out --help lists them, dashes for underscores)")
@@ -71,8 +62,7 @@ def _free_port(host: str) -> int:
 def main(argv: list[str] | None = None) -> None:
     prog = "python -m chapters.ch09_scale_out"
     settings = parse_settings(ScaleOutSettings, argv, prog=prog)
-    if settings.ray_address and os.environ.get("SFS_RAY_ADDRESS") != settings.ray_address:
-        # Ray fixed its single-machine, loopback-only mode when this package imported it (__init__.py).
+    if settings.ray_address and os.environ.get("SFS_RAY_ADDRESS") != settings.ray_address:  # Ray's mode is fixed on import
         print(f"{prog}: error: --ray-address: give the cluster's address as SFS_RAY_ADDRESS={settings.ray_address} "
               "in the environment instead: Ray reads its network mode when it is imported, before flags are parsed",
               file=sys.stderr)

@@ -1,33 +1,8 @@
-"""Scaling past this machine, in simulation: replicas of chapter 8's batcher behind a router, as queues.
+"""Scaling past this machine, in simulation: replicas of chapter 8's batcher behind a router, as a discrete-event model.
 
-Two cores cannot show what 64 replicas do, so this module models them: a discrete-event model of
-chapter 8's step loop, one per replica, fed by a stream of requests through one of the routers
-below, each step's duration given by a :class:`StepTimeModel` (fitted to chapter 8's engine as
-measured on this machine). The sweep that runs it over routers x replicas x loads, and the
-measurement of the step times, are a study: ``benchmarks/studies/scale_out_simulation/``.
-
-One replica is chapter 8's :class:`~chapters.ch08_continuous_batching.scheduler.ContinuousScheduler`
-reduced to its arithmetic (:func:`simulate`), with chapter 8's budgets
-(:class:`~chapters.ch08_continuous_batching.scheduler.SchedulerConfig`): every step, each running
-sequence whose prompt is computed decodes one token; sequences still prefilling continue within the
-token budget; waiting sequences are admitted first come first served while fewer than
-``max_num_seqs`` run and budget is left (a prompt longer than the budget left is chunked). A
-prompt's last chunk yields the first token; a sequence leaves at the end of the step that made its
-last token. The routers:
-
-- ``random``: a replica drawn uniformly;
-- ``pow2``: of two distinct replicas drawn at random, the one with fewer requests in flight (Ray
-  Serve's default router, the one chapter 9 deploys); a tie goes to the first drawn;
-- ``least-tokens``: chapter 9's router (:mod:`~chapters.ch09_scale_out.routing`): the replica owing
-  the fewest tokens by the ledger a proxy can keep, which sees requests leave but not their
-  progress: each request counts its whole ``prompt + max_new_tokens`` until it finishes;
-- ``least-remaining``: what a router would do with the replicas' own progress reported to it (the
-  signal engines such as vLLM export): the replica with the fewest tokens still to compute, for each
-  request prompt tokens not yet prefilled plus ``max_new_tokens`` minus the tokens generated so far.
-
-Both know what a request asks for, not how long its answer will be: where answers stop before
-``max_new_tokens`` (the ``mixed-capped`` mix), they over-count them.
-"""
+One replica is chapter 8's scheduler reduced to arithmetic (:func:`simulate`), its steps timed by a :class:`StepTimeModel`,
+requests reaching it through one of :data:`ROUTERS`. The study ``benchmarks/studies/scale_out_simulation/`` measures the
+step times and sweeps routers, replica counts and loads."""
 
 from __future__ import annotations
 
@@ -46,11 +21,7 @@ import numpy as np
 from chapters.ch08_continuous_batching.scheduler import SchedulerConfig
 
 ROUTERS: tuple[str, ...] = ("random", "pow2", "least-tokens", "least-remaining")
-
-# The request mixes, as the benchmarks define them. Chapters may not import benchmarks (packages
-# depend one way), so they are repeated here and tests/test_ch09_simulation.py holds them equal to
-# the harness's workloads (PROMPT_LENGTHS, the default workload's 32 new tokens) and its streaming
-# module (the mixed workload's 8..256 new tokens, log-uniform).
+# The benchmarks' request mixes (chapters may not import benchmarks): tests/test_ch09_simulation.py holds them equal.
 ARTICLE_PROMPT_LENGTHS: tuple[int, ...] = (16, 32, 64, 128)
 DEFAULT_NEW_TOKENS = 32
 MIXED_NEW_TOKENS: tuple[int, int] = (8, 256)
@@ -61,17 +32,9 @@ DEFAULT_STEP_TIMES = Path("benchmarks/reference/cpu/ch09/step-times.json")  # th
 
 @dataclass(frozen=True)
 class RequestMix:
-    """Prompt and answer lengths of a stream of requests.
-
-    Prompt lengths are drawn uniformly from ``prompt_lengths``. The answer length (tokens the model
-    really generates) is drawn from ``answer_lengths`` (with ``answer_weights``, uniform when empty)
-    or, when ``log_uniform_answers`` is set, log-uniformly between its bounds and rounded, as
-    ``benchmarks/streaming.py`` draws the ``mixed`` workload. ``max_new_tokens`` is what each
-    request asks for: ``None`` means exactly its answer length (chapter 8 generates exactly
-    ``max_new_tokens``; the benchmarks' answers never stop early), a number means every request
-    asks that many and stops at its answer length (an end-of-text token the router cannot foresee).
-    """
-
+    """Prompt and answer lengths of a stream of requests: prompts uniformly from ``prompt_lengths``, answers (tokens really
+    generated) from ``answer_lengths`` (by ``answer_weights``, else uniform) or log-uniform in ``log_uniform_answers``, rounded.
+    ``max_new_tokens``: ``None``, each asks exactly its answer; a number, each asks that many and stops at its answer."""
     name: str
     description: str
     prompt_lengths: tuple[int, ...] = ARTICLE_PROMPT_LENGTHS
@@ -120,8 +83,6 @@ MIXES: dict[str, RequestMix] = {
         answer_lengths=(DEFAULT_NEW_TOKENS,)),
 }
 
-
-
 STEP_TIME_FORMULA = (
     "step_ms = step_intercept_ms + ms_per_decode_row x decode rows + ms_per_context_token x positions the decode rows "
     "attend to, + prefill_intercept_ms + prefill_ms_per_token x prompt tokens when the step also prefills; a step "
@@ -131,20 +92,9 @@ STEP_TIME_FORMULA = (
 
 @dataclass(frozen=True)
 class StepTimeModel:
-    """The duration of one step of chapter 8's engine, from what the step computes.
-
-    A step with ``d >= 1`` decode rows that attend to ``context`` positions in all (each row: its
-    prompt plus the tokens it has so far) and ``p`` prompt tokens takes, in milliseconds::
-
-        step_intercept_ms + ms_per_decode_row * d + ms_per_context_token * context
-            + (prefill_intercept_ms + prefill_ms_per_token * p   if p > 0)
-
-    and a step with no decode rows ``prefill_only_intercept_ms + prefill_only_ms_per_token * p``:
-    a fixed cost per step (the scheduler, the runner, the kernels' launches), a cost per row (the
-    weights' matrix products), a cost per position read (attention over the paged cache) and a cost
-    per prompt token. Durations never go below ``floor_ms``.
-    """
-
+    """The duration of one step of chapter 8's engine, in milliseconds (:data:`STEP_TIME_FORMULA`): a fixed cost per step, a
+    cost per decode row, per position the rows attend to (each: its prompt plus its tokens so far) and per prompt token; a
+    step without decode rows has its own fixed cost and cost per prompt token. Never below ``floor_ms``."""
     step_intercept_ms: float
     ms_per_decode_row: float
     ms_per_context_token: float
@@ -165,7 +115,7 @@ class StepTimeModel:
         return cls(**json.loads(Path(path).read_text())["model"])
 
     def step_ms(self, decode_rows: int, prefill_tokens: int, context: float) -> float:
-        """Milliseconds of one step (the formula in the class docstring)."""
+        """Milliseconds of one step (:data:`STEP_TIME_FORMULA`)."""
         if decode_rows == 0:
             ms = self.prefill_only_intercept_ms + self.prefill_only_ms_per_token * prefill_tokens
         else:
@@ -181,7 +131,6 @@ class StepTimeModel:
 @dataclass(frozen=True)
 class ReplicaConfig:
     """What each replica runs: chapter 8's scheduler budgets (its defaults, checked by its own rule) and its step time."""
-
     step_model: StepTimeModel
     max_num_seqs: int = SchedulerConfig.max_num_seqs
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
@@ -193,7 +142,6 @@ class ReplicaConfig:
 @dataclass
 class Requests:
     """A stream of requests: arrival time (s), prompt tokens, answer tokens, max_new_tokens; equally long."""
-
     arrival_s: np.ndarray
     prompt_tokens: np.ndarray
     answer_tokens: np.ndarray
@@ -220,7 +168,6 @@ class Requests:
 @dataclass
 class Outcome:
     """What happened to every request (times in seconds; NaN never stays: every request finishes) and to every replica."""
-
     requests: Requests
     replica: np.ndarray  # the replica each request was routed to
     started_s: np.ndarray  # first step that computed any of it (it left the queue)
@@ -237,9 +184,8 @@ class Outcome:
     window_s: tuple[float, float]
 
 
-# A router is made per run: ``factory(replicas, rng, requests)`` returns ``choose(request index, requests in flight
-# per replica, tokens per replica) -> replica``; its random draws are made up front, so a run is one seed. The tokens
-# are those still to compute, or for least-tokens the ledger of budgets (see ROUTER_LEDGERS).
+# A router is made per run: ``factory(replicas, rng, requests)`` returns ``choose(request index, requests in flight per replica,
+# tokens per replica (ROUTER_LEDGERS)) -> replica``; its random draws are made up front, so a run is one seed.
 Router = Callable[[int, list[int], list[int]], int]
 
 
@@ -260,14 +206,11 @@ def route_pow2(n_replicas: int, rng: np.random.Generator, count: int) -> Router:
     def choose(index: int, in_flight: list[int], tokens_left: list[int]) -> int:
         a, b = firsts[index], seconds[index]
         return b if in_flight[b] < in_flight[a] else a
-
     return choose
 
 
 def route_least_tokens(n_replicas: int, rng: np.random.Generator, count: int) -> Router:
-    """The replica with the fewest tokens still to compute (prompt not yet prefilled + max_new_tokens - generated)."""
-    # Ties (idle replicas, most of all) go to the first tied replica at or after a random offset,
-    # so that they spread instead of all landing on replica 0.
+    """The replica with the fewest tokens (ROUTER_LEDGERS); a tie goes to the first at or after a random offset: ties spread."""
     offsets = rng.integers(n_replicas, size=count).tolist()
 
     def choose(index: int, in_flight: list[int], tokens_left: list[int]) -> int:
@@ -276,7 +219,6 @@ def route_least_tokens(n_replicas: int, rng: np.random.Generator, count: int) ->
             return tokens_left.index(fewest, offsets[index])
         except ValueError:
             return tokens_left.index(fewest)
-
     return choose
 
 
@@ -284,16 +226,13 @@ ROUTER_FACTORIES: dict[str, Callable[[int, np.random.Generator, int], Router]] =
     "random": route_random, "pow2": route_pow2, "least-tokens": route_least_tokens,
     "least-remaining": route_least_tokens,  # the same choice, over the tokens still to compute (ROUTER_LEDGERS)
 }
-# Which count of tokens a router is handed: those still to compute (prefill and decode progress
-# subtracted step by step), or each request's whole budget, prompt + max_new_tokens, until it
-# finishes (what a proxy that sees requests leave but not their progress can count).
+# The tokens a router is handed: by default those still to compute (least-remaining: what replicas reporting progress allow);
+# "budget", each request's prompt + max_new_tokens until it finishes (least-tokens: what a proxy seeing only ends can count).
 ROUTER_LEDGERS: dict[str, str] = {"least-tokens": "budget"}
-
 
 
 class _Replica:
     """One replica's scheduler state (chapter 8's ContinuousScheduler, reduced to counts and lengths)."""
-
     __slots__ = ("waiting", "prefilling", "decoding", "context", "finish_at", "step", "running",
                  "stepping", "plan_decodes", "plan_chunks", "plan_prefill_tokens", "step_started", "busy_s", "running_s",
                  "finished")
@@ -317,12 +256,8 @@ class _Replica:
 
 
 class _Cluster:
-    """The replicas behind one router, the router's counters, and every request's times: :func:`simulate`'s state.
-
-    Two kinds of event, in time order: a request arrives (the router picks a replica, which plans a
-    step if it is idle), or a replica's step ends (its tokens are applied, then it plans the next).
-    """
-
+    """:func:`simulate`'s state: the replicas, the router's counters, every request's times. Events, in time order: a request
+    arrives (the router picks a replica, which plans a step if idle), or a step ends (its tokens applied, the next planned)."""
     def __init__(self, requests: Requests, router: str, n_replicas: int, config: ReplicaConfig, seed: int,
                  window: tuple[float, float] | None) -> None:
         if router not in ROUTER_FACTORIES:
@@ -485,23 +420,18 @@ class _Cluster:
 
 def simulate(requests: Requests, router: str, n_replicas: int, config: ReplicaConfig, seed: int = DEFAULT_SEED,
              window: tuple[float, float] | None = None) -> Outcome:
-    """Run ``requests`` through ``n_replicas`` replicas behind ``router`` until every request has finished.
-
-    Deterministic for a given ``seed`` (the router's draws). A replica plans a step (see the module
-    docstring) when it is idle and a request arrives, or when its previous step ends and it still
-    has work; requests that arrive during a step join its queue and are considered at the next
-    plan. Routers read the replicas' counters as they were at the end of each replica's last step.
-    ``window``, in seconds, bounds where busy time and occupancy are counted (default: the whole run).
-    """
+    """Run ``requests`` through ``n_replicas`` replicas behind ``router`` until every request has finished; deterministic for a
+    ``seed`` (the router's draws). A replica plans a step when idle and a request arrives, or when its step ends with work left,
+    as chapter 8's scheduler would with :class:`ReplicaConfig`'s budgets: a token per decoding sequence, prompts continued, then
+    waiting requests admitted first come first served, prompts chunked to the token budget left. A prompt's last chunk yields
+    the first token; a sequence leaves when the step that made its last token ends. Routers see the counters as of each
+    replica's last step end. ``window`` (s) bounds where busy time and occupancy are counted (default: the whole run)."""
     return _Cluster(requests, router, n_replicas, config, seed, window).run()
 
 
 def replica_capacity(mix: RequestMix, config: ReplicaConfig, seed: int = DEFAULT_SEED, count: int = 4000) -> float:
-    """Requests/s one replica finishes when it is never short of work (a backlog of ``count`` waiting at time 0).
-
-    Measured between the 20th and the 80th percentile of finish times, past the first batch's
-    start-up and before the backlog runs dry.
-    """
+    """Requests/s one replica finishes when it is never short of work (a backlog of ``count`` waiting at time 0), between the
+    20th and the 80th percentile of finish times: past the first batch's start-up, before the backlog runs dry."""
     rng = np.random.default_rng([seed, stable_seed(mix.name), 0])
     prompts, answers, max_new = mix.draw(rng, count)
     outcome = simulate(Requests(np.zeros(count), prompts, answers, max_new), "random", 1, config, seed)

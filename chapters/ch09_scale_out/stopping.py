@@ -1,25 +1,8 @@
 """Stopping chapter 9 without losing an accepted request: drain at the edge, then the replicas, the proxy, Ray.
 
-``serve.shutdown()`` alone stops the replicas and the proxies together: each replica waits for its
-own requests, but the proxy carrying their answers to the clients is gone within a moment, so every
-answer still streaming is cut and later clients find no one listening. The drain therefore starts
-where requests come in, at the edge in Serve's proxy (:class:`DrainAtTheEdge`, one of the proxy's
-middlewares, :func:`~chapters.ch09_scale_out.edge.proxy_middlewares`):
-
-1. the process that stops the application (``python -m chapters.ch09_scale_out`` on SIGTERM/Ctrl-C,
-   or a pod's ``preStop`` running ``python -m chapters.ch09_scale_out.stopping``) tells a named Ray
-   actor, :class:`DrainSignal`, to drain;
-2. every edge is waiting on that actor; it then answers each new request itself with the contract's
-   503 ``draining`` and ``Retry-After`` and lets the ones it already passed on finish; when the last
-   has sent its last byte to its client it reports itself idle;
-3. once every edge is idle (or the drain timeout passed) the stopping process deletes the application
-   (Serve drains each replica: nothing left in it), then Serve's proxy and controller stop, then Ray.
-
-The edge and the stopping process are different processes (the edge lives in Serve's proxy), hence
-the actor (detached, created by whichever needs it first). An edge registers with it before passing
-on its first request, so the edges the stopping process waits for include every edge that could
-have a request in flight; an edge that registers once the drain started passes nothing on.
-"""
+The stopping process (``python -m chapters.ch09_scale_out`` on SIGTERM/Ctrl-C, or a ``preStop`` running this module) tells the
+detached actor :class:`DrainSignal` to drain: every edge (:class:`DrainAtTheEdge`, in Serve's proxy) refuses new requests with
+the contract's 503 and reports itself idle once its last answer is out; then the application is deleted, Serve and Ray stop."""
 
 from __future__ import annotations
 
@@ -36,7 +19,6 @@ import ray
 from shared.schemas import REQUEST_ID_HEADER, error_body, request_id_from
 
 log = logging.getLogger("chapters.ch09_scale_out.stopping")
-
 DRAIN_SIGNAL_NAME = "ch09_drain_signal"
 DRAIN_SIGNAL_NAMESPACE = "serving_from_scratch"
 RETRY_AFTER_S = 1
@@ -45,9 +27,7 @@ DRAINING = "the service is shutting down; retry in a moment (another instance, o
 
 
 class DrainState:
-    """Shared between the stopping process and every edge (as the actor :data:`DrainSignal`): whether to
-    drain, and which edges are idle."""
-
+    """Shared by the stopping process and every edge (as the actor :data:`DrainSignal`): whether to drain, which edges idle."""
     def __init__(self) -> None:
         self._draining = asyncio.Event()
         self._all_idle = asyncio.Event()
@@ -100,8 +80,7 @@ DrainSignal = ray.remote(num_cpus=0)(DrainState)
 
 
 def drain_signal():
-    """The cluster's drain signal: the one that exists, else a new one (detached: it outlives whoever created it,
-    so a ``preStop`` finds the one the edges registered with)."""
+    """The cluster's drain signal: the one that exists, else a new one, detached (a ``preStop`` finds the edges' own)."""
     return DrainSignal.options(name=DRAIN_SIGNAL_NAME, namespace=DRAIN_SIGNAL_NAMESPACE, get_if_exists=True,
                                lifetime="detached").remote()
 
@@ -120,9 +99,8 @@ def drain_edges(timeout_s: float) -> list[str]:
 
 
 class DrainAtTheEdge:
-    """Middleware around Serve's proxy: counts the requests it passes on; once told to drain, refuses new ones
-    with the contract's 503 and reports itself idle when the last one passed on has finished."""
-
+    """Middleware around Serve's proxy: counts the requests it passes on; once told to drain, refuses new ones with the
+    contract's 503 and reports itself idle when the last one passed on has finished."""
     def __init__(self, app) -> None:
         self.app = app
         self.edge_id = uuid.uuid4().hex
@@ -176,8 +154,7 @@ class DrainAtTheEdge:
 
 
 async def _refuse(scope, send) -> None:
-    """The contract's 503 while draining, as chapter 7's drain answers it, with the request's ``X-Request-ID``
-    (the client's where it sent a sane one, else a new one) as every other answer carries."""
+    """The contract's 503 while draining, as chapter 7's, with the request's ``X-Request-ID`` (the client's if sane, else new)."""
     payload = json.dumps(error_body("draining", DRAINING)).encode()
     sent_id = next((bytes(v).decode("latin-1") for k, v in scope.get("headers", []) if bytes(k).lower() == REQUEST_ID_HEADER.lower().encode()), None)
     headers = [(b"retry-after", str(RETRY_AFTER_S).encode()), (b"content-type", b"application/json"),
@@ -187,24 +164,21 @@ async def _refuse(scope, send) -> None:
 
 
 def exit_after(seconds: float) -> None:
-    """End this process with status 3 once ``seconds`` have passed, whatever it waits on: a ``preStop`` that
-    hangs (joining a cluster at an address nothing answers, say) would otherwise hold the pod for its whole
-    grace period, and a drain run by hand would never return."""
+    """End this process with status 3 once ``seconds`` have passed, whatever it waits on: a hung ``preStop`` would hold the
+    pod for its whole grace period, and a drain run by hand would never return."""
     def give_up() -> None:
         log.error("the drain command ran past %.1f s (joining the cluster or the drain itself); giving up", seconds)
         logging.shutdown()
         os._exit(3)
-
     timer = threading.Timer(seconds, give_up)
     timer.daemon = True
     timer.start()
 
 
 def main(argv: list[str] | None = None) -> None:
-    """A pod's ``preStop`` (deploy/rayservice.yaml). The head's drains the application: its pod going means the
-    cluster goes. A worker's (``--follow-s``) only waits for a drain the head starts within that many seconds,
-    so a worker removed alone does not stop the application, and one removed with the cluster keeps its
-    replicas until their answers are out."""
+    """A pod's ``preStop`` (deploy/rayservice.yaml). The head's drains the application: its pod going means the cluster
+    goes. A worker's (--follow-s) only waits for a drain the head starts within that many seconds, so a worker removed
+    alone does not stop the application, and one removed with the cluster keeps its replicas until their answers are out."""
     parser = argparse.ArgumentParser(prog="python -m chapters.ch09_scale_out.stopping", description=main.__doc__)
     parser.add_argument("--address", default="auto", help="the Ray cluster to join (default: the one on this machine)")
     parser.add_argument("--timeout-s", type=float, default=30.0, help="how long to wait for the requests in flight")

@@ -1,7 +1,7 @@
 """The chapter notebooks' figures: each plot reads results (never measures) and returns a matplotlib Figure.
 
-A plot whose data the results do not hold (a file written before the harness recorded stage
-timings, batch sizes or open-loop sweeps) raises :class:`MissingData`, whose message names the
+A plot whose data the results do not hold (a schema-1 file has no stage timings, batch sizes or
+series; a directory may hold no open-loop sweep) raises :class:`MissingData`, whose message names the
 command that produces the data; :func:`show` turns that into a note in the notebook instead of an
 empty figure, and refuses to display a figure with an empty panel (the notebooks' test relies on it).
 

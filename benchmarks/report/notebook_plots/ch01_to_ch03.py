@@ -159,7 +159,7 @@ def _with_batches(result: BenchmarkResult | None) -> list:
     levels = [lvl for lvl in result.levels if lvl.server_series and lvl.server_series.batch_sizes]
     if not levels:
         raise MissingData(
-            f"`{result.label}`'s results hold no batch sizes (recorded before the harness polled `/stats`). "
+            f"`{result.label}`'s results hold no batch sizes (the harness's polls of `/stats`). "
             f"Run: `python -m benchmarks run --chapter {result.chapter} --profile {result.profile}`."
         )
     return levels

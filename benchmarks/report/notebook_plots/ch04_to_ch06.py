@@ -118,8 +118,8 @@ def plot_pool_over_time(result: BenchmarkResult):
                     for lvl in levels for p in lvl.server_series.points)]
     if not levels or not names:
         raise MissingData(
-            f"`{result.label}`'s results hold no pool figures over time (recorded before the harness polled "
-            f"`/stats`). Run: `python -m benchmarks run --chapter {result.chapter} --profile {result.profile}`."
+            f"`{result.label}`'s results hold no pool figures over time (the harness's polls of `/stats`). "
+            f"Run: `python -m benchmarks run --chapter {result.chapter} --profile {result.profile}`."
         )
     axes = Figure(figsize=(6 * len(names), 4.2)).subplots(1, len(names), squeeze=False)[0]
     for ax, name in zip(axes, names, strict=True):

@@ -169,7 +169,7 @@ def load_step_records(directory: Path, chapter: str = "ch08") -> dict[int, list[
     found = {level.users: level.server_series.steps for level in (result.levels if result else [])
              if level.server_series is not None and level.server_series.steps}
     if not found:
-        raise MissingData(f"No step records for {chapter} in {directory}: the harness keeps them since the packed step "
+        raise MissingData(f"No step records for {chapter} in {directory} "
                           f"(`python -m benchmarks run --chapter {chapter} --profile cpu --out {repo_relative(Path(directory))}`).")
     return dict(sorted(found.items()))
 

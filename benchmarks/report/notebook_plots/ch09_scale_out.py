@@ -173,8 +173,8 @@ def plot_serve_path_costs(comparisons: Mapping[str, Mapping]):
 
 def plot_simulated_scaling(results: Mapping, mix: str = "mixed"):
     """The simulation of 1 to 64 replicas: P99 and goodput per replica against replicas, per router, at 85 % and
-    95 % of capacity (``chapters.ch09_scale_out.plots.plot_scaling``)."""
-    from chapters.ch09_scale_out.plots import plot_scaling
+    95 % of capacity (``benchmarks.report.scale_out_simulation_plots.plot_scaling``)."""
+    from benchmarks.report.scale_out_simulation_plots import plot_scaling
 
     axes = Figure(figsize=(12, 9)).subplots(2, 2)
     for row, utilisation in enumerate((0.85, 0.95)):

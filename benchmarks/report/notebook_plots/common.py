@@ -166,8 +166,8 @@ def levels_with_stages(result: BenchmarkResult | OpenLoopResult | None, what: st
     levels = [lvl for lvl in result.levels if lvl.stages_ms]
     if not levels:
         raise MissingData(
-            f"`{result.label}`'s results hold no per-stage timings ({what}); they were recorded before the harness "
-            f"kept them. Run: `python -m benchmarks run --chapter {result.chapter} --profile {result.profile}`."
+            f"`{result.label}`'s results hold no per-stage timings ({what}). "
+            f"Run: `python -m benchmarks run --chapter {result.chapter} --profile {result.profile}`."
         )
     return levels
 

@@ -16,7 +16,7 @@ sees. vLLM compiles its model the same way, in pieces around an opaque attention
 :data:`RULE` (``--compile-layers auto``): on where the engine multiplies in bf16 on a CPU (its tokens
 are already within chapter 5's tolerance rather than the oracle's), off at fp32, whose promise is the
 oracle's exact tokens (a fused LayerNorm sums in another order and rounds differently), and off on a
-GPU, where the decode steps are recorded as CUDA graphs instead (:mod:`~chapters.ch08_continuous_batching.cuda_graphs`).
+GPU, where the decode steps are recorded as CUDA graphs instead (:mod:`~chapters.ch08_continuous_batching.fast.cuda_graphs`).
 The token count is dynamic; a layer compiles once for one token, once for a few (below the bf16
 crossover) and once for more, all at start-up (:func:`compile_layers` runs those shapes), and
 TorchInductor keeps its kernels where every process on this machine finds them.
@@ -30,7 +30,7 @@ import time
 import torch
 
 from chapters.ch05_inference_engine.engine import Engine, multiplies_in_bf16
-from chapters.ch08_continuous_batching.startup_cache import use_cache_for_compilers
+from chapters.ch08_continuous_batching.fast.startup_cache import use_cache_for_compilers
 from shared.model import GPT
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ import shared.model
 from benchmarks.harness.environment import cpu_description
 from benchmarks.studies.ch08_shared_prefix.step_vs_products import ROWS, products
 from benchmarks.studies.ch08_step_profile.profile_ch08 import closed_loop
-from chapters.ch08_continuous_batching.attention_kernel import KERNEL_ARGUMENTS, KERNEL_FLAGS, KERNEL_FUNCTIONS, KERNEL_SOURCE
+from chapters.ch08_continuous_batching.fast.attention_kernel import KERNEL_ARGUMENTS, KERNEL_FLAGS, KERNEL_FUNCTIONS, KERNEL_SOURCE
 from benchmarks.studies.ch08_shared_prefix.compiled_layers import compile_layers
 
 ROUNDS, CALLS = 15, 20

@@ -40,7 +40,7 @@ from benchmarks.harness.environment import cpu_description
 from chapters.ch04_memory_pool.memory_pool import KVMemoryPool
 from chapters.ch05_inference_engine.engine import build_eager, multiplies_in_bf16
 from chapters.ch08_continuous_batching.model_runner import ModelRunner, packed_model
-from chapters.ch08_continuous_batching.attention_choice import choose_attention
+from chapters.ch08_continuous_batching.fast.attention_choice import choose_attention
 from chapters.ch08_continuous_batching.paged_cache import PagedKVStore, kv_cache_dtype
 from chapters.ch08_continuous_batching.sampling import GREEDY, SamplingParams
 from chapters.ch08_continuous_batching.scheduler import ContinuousScheduler, Sequence

@@ -56,10 +56,10 @@ from benchmarks.harness.results import print_and_save
 from chapters.ch04_memory_pool.memory_pool import KVMemoryPool
 from chapters.ch05_inference_engine.engine import build_eager, multiplies_in_bf16
 from chapters.ch08_continuous_batching.model_runner import packed_model
-from chapters.ch08_continuous_batching.attention_choice import scattered_decode_inputs
-from chapters.ch08_continuous_batching.attention_flex import FlexAttention
+from chapters.ch08_continuous_batching.fast.attention_choice import scattered_decode_inputs
+from chapters.ch08_continuous_batching.fast.attention_flex import FlexAttention
 from chapters.ch08_continuous_batching.attention_gather import GatherAttention
-from chapters.ch08_continuous_batching.attention_kernel import KernelAttention, scores_scratch
+from chapters.ch08_continuous_batching.fast.attention_kernel import KernelAttention, scores_scratch
 from chapters.ch08_continuous_batching.paged_attention import block_table_tensor
 from chapters.ch08_continuous_batching.paged_cache import PagedKVStore, kv_cache_dtype
 from chapters.ch08_continuous_batching.server import ContinuousSettings

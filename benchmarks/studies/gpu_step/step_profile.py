@@ -22,8 +22,8 @@ import torch
 
 from chapters.ch04_memory_pool.memory_pool import KVMemoryPool
 from chapters.ch05_inference_engine.engine import build_eager
-from chapters.ch08_continuous_batching.attention_choice import build_attention, scattered_decode_inputs
-from chapters.ch08_continuous_batching.cuda_graphs import GraphedDecodes
+from chapters.ch08_continuous_batching.fast.attention_choice import build_attention, scattered_decode_inputs
+from chapters.ch08_continuous_batching.fast.cuda_graphs import GraphedDecodes
 from chapters.ch08_continuous_batching.model_runner import packed_model
 from chapters.ch08_continuous_batching.paged_cache import PagedKVStore
 from chapters.ch08_continuous_batching.scheduler import ScheduledRow
@@ -81,7 +81,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     device = torch.device(args.device)
-    loaded = load_model("dummy", "gpt2", device) if device.type == "cuda" else load_model("default", "tiny", device)
+    loaded = load_model("smollm2", device=device) if device.type == "cuda" else load_model("default", "tiny", device)
     engine = build_eager(loaded.model, args.precision)
     model = packed_model(engine)
     largest = max(args.rows)
@@ -91,7 +91,7 @@ def main() -> None:
     backends = {name: build_attention(name, store) for name in ("gather", "flex")}
     started = time.perf_counter()
     graphs = GraphedDecodes(model, store, backends["flex"], largest, capture=device.type == "cuda")
-    lines = [f"{processor_name(device)}, torch {torch.__version__}, GPT-2 (124M) shape, {args.precision}, "
+    lines = [f"{processor_name(device)}, torch {torch.__version__}, {loaded.source}, {args.precision}, "
              f"blocks of {args.block_tokens}; histories {args.contexts[0]}-{args.contexts[1]} positions; "
              f"medians of {args.repeats} steps; graphs for {graphs.buckets} rows recorded in {time.perf_counter() - started:.1f} s",
              "", f"{'rows':>5} {'path':<16} {'wall ms':>8} {'issue ms':>9} {'GPU ms':>7} {'tokens/s':>10}"]

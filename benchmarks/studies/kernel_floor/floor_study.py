@@ -44,7 +44,7 @@ import torch
 
 from benchmarks.harness.environment import cpu_description
 from benchmarks.studies.ch08_shared_prefix.step_split import revision_kernel_source
-from chapters.ch08_continuous_batching.attention_kernel import (KERNEL_ARGUMENTS, KERNEL_FLAGS, KERNEL_FUNCTIONS, KERNEL_SOURCE,
+from chapters.ch08_continuous_batching.fast.attention_kernel import (KERNEL_ARGUMENTS, KERNEL_FLAGS, KERNEL_FUNCTIONS, KERNEL_SOURCE,
                                                                  scores_scratch)
 
 ROWS, HEADS, HEAD_DIM, LAYERS, POOL_TOKENS, ROUNDS, STEPS = 64, 4, 64, 4, 2458 * 16, 9, 5

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness.environment import cpu_description
-from chapters.ch08_continuous_batching.attention_kernel import KERNEL_ARGUMENTS, KERNEL_FLAGS, KERNEL_SOURCE, scores_scratch
+from chapters.ch08_continuous_batching.fast.attention_kernel import KERNEL_ARGUMENTS, KERNEL_FLAGS, KERNEL_SOURCE, scores_scratch
 
 ROWS, HEADS, HEAD_DIM, BLOCK, POOL_BLOCKS, ROUNDS, CALLS = 64, 4, 64, 16, 2458, 15, 20
 WORKLOADS = {"default-like": (20, 155), "mixed-like": (20, 305)}

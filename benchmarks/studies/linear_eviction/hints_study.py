@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness.environment import cpu_description
-from chapters.ch08_continuous_batching.attention_kernel import KERNEL_SOURCE, scores_scratch
+from chapters.ch08_continuous_batching.fast.attention_kernel import KERNEL_SOURCE, scores_scratch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "kernel_floor"))
 from floor_study import HEAD_DIM, HEADS, ROWS, Case, build  # noqa: E402  (the floor study's pools and build)

@@ -160,17 +160,18 @@ def compare_all(args: argparse.Namespace, harness: dict, profile_args: list[str]
     workload and answer kind in order; one document per (workload, answers), each server's median-QPS round."""
     cores = harness["server_cores"]
     pairs = [(workload, answers) for workload in args.workloads for answers in args.answers]
-    runs = {pair: {label: [] for label in args.servers} for pair in pairs}
+    runs: dict[tuple[str, str], dict[str, list[dict[str, Any]]]] = {pair: {} for pair in pairs}
     for index in range(args.rounds):
         for label in args.servers if index % 2 == 0 else args.servers[::-1]:
             with running_server(label, args, cores, profile_args, server_env) as server:
                 for workload, answers in pairs:
-                    record = measure(server.url, args, workload, ANSWERS[answers], request_extra(label, workload))
-                    if label == "ch08":
-                        record.update(server_choices(server.url))
-                    print(f"{workload} {answers} round {index + 1}/{args.rounds} {label}: {record['qps']:.2f} QPS, "
-                          f"{record['output_tokens_per_s']:.1f} tokens/s", file=sys.stderr)
-                    runs[(workload, answers)][label].append(record)
+                    for row, route in measured_routes(label, workload, answers):
+                        record = measure(server.url, args, workload, ANSWERS[answers], request_extra(label, workload), route)
+                        if label == "ch08":
+                            record.update(server_choices(server.url))
+                        print(f"{workload} {answers} round {index + 1}/{args.rounds} {row}: {record['qps']:.2f} QPS, "
+                              f"{record['output_tokens_per_s']:.1f} tokens/s", file=sys.stderr)
+                        runs[(workload, answers)].setdefault(row, []).append(record)
     documents = {}
     for (workload, answers), by_label in runs.items():
         document = compare_document(workload, args.users, args.duration_s, {label: median_round(r) for label, r in by_label.items()},
@@ -180,6 +181,15 @@ def compare_all(args: argparse.Namespace, harness: dict, profile_args: list[str]
                                          "request_extra": request_extra(label, workload) or {}} for label in args.servers})
         documents[(workload, answers)] = document
     return documents
+
+
+def measured_routes(label: str, workload: str, answers: str) -> list[tuple[str, str]]:
+    """The rows one server's start gives for a workload, as (row label, route): every server on OpenAI's routes;
+    chapter 8 also on its own ``/v1/inference`` (row ``ch08-inference``) for whole answers to completion workloads."""
+    routes = [(label, "openai")]
+    if label == "ch08" and answers == "whole" and workload != "chat":
+        routes.append(("ch08-inference", "inference"))
+    return routes
 
 
 def check_tokens(args: argparse.Namespace) -> list[dict[str, Any]]:

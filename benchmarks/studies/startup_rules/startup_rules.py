@@ -2,12 +2,12 @@
 
 Builds what a server builds at its defaults (chapter 5's engine by its own cached rule, chapter 4's
 pool for ``max_num_seqs`` sequences, the paged store), then runs the attention rule's probe
-(:func:`~chapters.ch08_continuous_batching.attention_choice.measure_decode_steps`, every candidate,
+(:func:`~chapters.ch08_continuous_batching.fast.attention_choice.measure_decode_steps`, every candidate,
 ``PROBE_ROUNDS`` rounds in turns) ``--starts`` times in this one process, as that many starts would,
 the compilations excepted (the first start pays them; the cache makes later starts skip them too).
 Each start's rounds are judged by two rules, on the same times:
 
-``rule``       the chapter's rule (:data:`~chapters.ch08_continuous_batching.attention_choice.RULE`):
+``rule``       the chapter's rule (:data:`~chapters.ch08_continuous_batching.fast.attention_choice.RULE`):
                two candidates compared round by round (the median of their same-round ratios), the
                simpler one kept unless the other beats it by the margin
 ``raw median`` the rule it replaced: each candidate's median time, the fastest served if it beats
@@ -42,12 +42,12 @@ from chapters.ch04_memory_pool.memory_pool import KVMemoryPool
 from chapters.ch04_memory_pool.server import plan_pool
 from chapters.ch05_inference_engine.engine import multiplies_in_bf16
 from chapters.ch05_inference_engine.server import engine_for
-from chapters.ch08_continuous_batching import attention_choice
-from chapters.ch08_continuous_batching.attention_choice import BACKENDS, MARGIN, PREFERENCE, build_attention, measure_decode_steps
+from chapters.ch08_continuous_batching.fast import attention_choice
+from chapters.ch08_continuous_batching.fast.attention_choice import BACKENDS, MARGIN, PREFERENCE, build_attention, measure_decode_steps
 from chapters.ch08_continuous_batching.model_runner import packed_model
 from chapters.ch08_continuous_batching.paged_cache import PagedKVStore, kv_cache_dtype
 from chapters.ch08_continuous_batching.server import ContinuousSettings
-from chapters.ch08_continuous_batching.startup_cache import pick_within_margin, quiet_unactionable_warnings
+from chapters.ch08_continuous_batching.fast.startup_cache import pick_within_margin, quiet_unactionable_warnings
 from shared.devices import set_threads
 from shared.weights import load_model
 

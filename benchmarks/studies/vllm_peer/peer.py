@@ -162,10 +162,12 @@ def check_tokens(python: Path, model_dir: Path, prompts: Sequence[str], max_new_
     return rows
 
 
-def measure(url: str, args: argparse.Namespace, workload: str, stream: bool, extra: dict | None) -> dict[str, Any]:
+def measure(url: str, args: argparse.Namespace, workload: str, stream: bool, extra: dict | None,
+            route: str = "openai") -> dict[str, Any]:
     """One server's round: a short unmeasured warm-up, then ``args.users`` closed-loop users for ``args.duration_s``
-    (each request given ``args.request_timeout_s``, 120 s where the command has no such flag)."""
-    api = {"api": "openai", "openai_extra": extra, "request_timeout_s": getattr(args, "request_timeout_s", 120.0)}
+    (each request given ``args.request_timeout_s``, 120 s where the command has no such flag), on OpenAI's routes
+    or (``route="inference"``) on the course's own ``/v1/inference``."""
+    api = {"api": route, "openai_extra": extra, "request_timeout_s": getattr(args, "request_timeout_s", 120.0)}
     asyncio.run(run_closed_loop(url, min(args.users, 4), min(2.0, args.duration_s), workload, stream, seed=args.seed + 1, **api))
     records, window = asyncio.run(run_closed_loop(url, args.users, args.duration_s, workload, stream, seed=args.seed, **api))
     return {"streamed": stream, **summarize(records, window, None, None, None)}

@@ -1,12 +1,5 @@
-"""The ``flex`` backend: decode rows through :func:`torch.nn.attention.flex_attention`, reading the pool in place.
-
-A ``BlockMask`` built from the block tables tells the kernel which blocks of the pool each row
-reads; TorchInductor compiles it (C++ on the CPU, Triton on a GPU), so nothing is copied. Needs
-``torch.compile`` and a C++ compiler; where either is missing it is unavailable, with the reason.
-Each new batch-size bucket (16, 32, 64, ... decode rows) compiles once, a few seconds; TorchInductor keeps
-what it compiled under :func:`~chapters.ch08_continuous_batching.startup_cache.cache_dir`, so a later
-process on this machine loads it.
-"""
+"""The ``flex`` backend: decode rows through compiled :func:`torch.nn.attention.flex_attention` over a ``BlockMask`` built from
+the block tables, reading the pool in place. Needs ``torch.compile`` and a C++ compiler (else unavailable, with the reason)."""
 
 from __future__ import annotations
 
@@ -15,28 +8,14 @@ from torch import Tensor
 
 from chapters.ch08_continuous_batching.paged_attention import DecodeAttend, PackedInputs, PagedAttention, block_table_tensor
 from chapters.ch08_continuous_batching.paged_cache import PagedKVStore
-from chapters.ch08_continuous_batching.startup_cache import use_cache_for_compilers
+from chapters.ch08_continuous_batching.fast.startup_cache import use_cache_for_compilers
 
 
 class FlexAttention(PagedAttention):
-    """Decode rows through compiled ``flex_attention`` reading the pool in place.
-
-    Layout (found by measuring the CPU kernel, torch 2.13): each decode row is its own batch element,
-    queries ``(B, H, 1, D)`` with B the row count rounded up to a bucket (padding rows list no block
-    and are skipped); keys and values are the pool's plane seen as ``(1, H_kv, slots, D)`` without a
-    copy (a strided view, broadcast over the batch; ``enable_gqa`` maps each query head to its
-    key/value head, and the mask, one head wide, serves every head). The ``BlockMask`` lists, per
-    row, the blocks wholly before its position as FULL blocks (no mask evaluated) and the block
-    holding its position as the one PARTIAL block, where ``mask_mod`` keeps offsets up to the position's.
-    The KV block of the mask must be the pool's block (the kernel's split size), a power of two.
-
-    The mask's tensors and ``mask_mod`` are made once per bucket and overwritten in place each
-    step, so the compiled kernel is reused (a new bucket is the only recompile). Torch workarounds:
-    ``compute_q_blocks=False`` (a sparse layout; the default builds a dense mask), the index
-    tensors as wide as the pool has blocks (the KV length check), ``full_kv_*`` always passed and
-    ``PARTITION_SIZE`` huge (the CPU flash-decoding template, picked otherwise for one-token queries,
-    splits the whole pool into partitions and fails to compile without full blocks).
-    """
+    """Each decode row its own batch element: queries ``(B, H, 1, D)``, B rounded up to a bucket (padding rows list no block);
+    keys and values the pool's plane viewed as ``(1, H_kv, slots, D)``. A row's mask: the blocks before its position FULL, the one
+    holding it PARTIAL, rewritten in place each step so a bucket compiles once. For torch: a power-of-two block, index tensors
+    as wide as the pool, ``full_kv_*`` always passed, a huge ``PARTITION_SIZE`` (else the CPU template fails to compile)."""
 
     name = "flex"
     KERNEL_OPTIONS = {"PARTITION_SIZE": 1 << 30}
@@ -46,13 +25,11 @@ class FlexAttention(PagedAttention):
         super().__init__(store)
         import torch._dynamo
         from torch.nn.attention.flex_attention import flex_attention
-
         size = store.block_tokens
         if size & (size - 1):
             raise ValueError(f"flex attention needs a power-of-two block size, got {size}")
         if store.device.type == "cpu":
             from torch._inductor.cpu_vec_isa import pick_vec_isa
-
             if not pick_vec_isa():  # torch's C++ flex template calls vector helpers it has no scalar form of
                 raise ValueError("flex attention on the CPU is compiled with vector instructions (AVX2, AVX-512, NEON, ...) "
                                  "and torch finds none it can use here")
@@ -67,7 +44,6 @@ class FlexAttention(PagedAttention):
     @staticmethod
     def unavailable_reason() -> str | None:
         from chapters.ch05_inference_engine.compiled_engine import compiler_available
-
         try:
             from torch.nn.attention.flex_attention import BlockMask  # noqa: F401
         except ImportError:
@@ -103,15 +79,14 @@ class FlexAttention(PagedAttention):
             queries[:rows, :, 0] = q[0].transpose(0, 1)
             y = self._flex(queries, keys, values, block_mask=bucket.block_mask, kernel_options=options, enable_gqa=self.grouped)
             out[0] = y[:rows, :, 0].transpose(0, 1)
-
         return decode
+
 
 class _FlexBucket:
     """The BlockMask of one bucket of ``rows`` decode rows, and the tensors it reads, refilled each step."""
 
     def __init__(self, rows: int, store: PagedKVStore) -> None:
         from torch.nn.attention.flex_attention import BlockMask
-
         self.rows = rows
         self.block_size = size = store.block_tokens
         width = store.pool.allocator.total_blocks  # index tensors must cover every block of the pool
@@ -143,4 +118,3 @@ class _FlexBucket:
         self.partial_count[:n] = 1
         self.partial_count[n:] = 0
         self.last_offset[:n] = position % size
-

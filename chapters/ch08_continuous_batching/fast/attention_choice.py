@@ -1,15 +1,6 @@
-"""Which attention backend serves: the one named (``--attention``), or for ``auto`` the one measured fastest here.
+"""Which attention backend serves: the one named (``--attention``), or for ``auto`` the one :data:`RULE` picks on this machine.
 
-Chapter 5 picks its engine by timing the candidates on this machine; this chapter picks its decode
-attention the same way (:data:`RULE`): every backend that can run here computes the same packed
-decode step, taking turns, and a faster one replaces a simpler one only if it wins by
-:data:`MARGIN`. The outcome is kept per machine and settings
-(:mod:`~chapters.ch08_continuous_batching.startup_cache`): the next start, or a replacement
-replica, reads it instead of measuring; ``remeasure`` measures again. The backends:
-:mod:`~chapters.ch08_continuous_batching.attention_gather`,
-:mod:`~chapters.ch08_continuous_batching.attention_flex`,
-:mod:`~chapters.ch08_continuous_batching.attention_kernel`.
-"""
+A faster backend replaces a simpler one only if it wins by :data:`MARGIN`; the outcome is cached per machine and settings."""
 
 from __future__ import annotations
 
@@ -19,14 +10,14 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
-from chapters.ch08_continuous_batching.attention_flex import FlexAttention
+from chapters.ch08_continuous_batching.fast.attention_flex import FlexAttention
 from chapters.ch08_continuous_batching.attention_gather import GatherAttention
-from chapters.ch08_continuous_batching.attention_kernel import KernelAttention
+from chapters.ch08_continuous_batching.fast.attention_kernel import KernelAttention
 from chapters.ch08_continuous_batching.model_runner import prepare_inputs
 from chapters.ch08_continuous_batching.paged_attention import PackedInputs, PagedAttention
 from chapters.ch08_continuous_batching.paged_cache import PagedKVStore
 from chapters.ch08_continuous_batching.scheduler import ScheduledRow, Sequence
-from chapters.ch08_continuous_batching.startup_cache import choose_once, machine_key, model_key, pick_within_margin, round_order
+from chapters.ch08_continuous_batching.fast.startup_cache import choose_once, machine_key, model_key, pick_within_margin, round_order
 from shared.devices import synchronize
 from shared.model import DecoderModel
 
@@ -42,18 +33,12 @@ RULE = (
     "PREFERENCE, a backend replaces the choice so far only if the median of its same-round time ratios to it "
     "beats it by MARGIN."
 )
-# On a GPU a decode step's launches outweigh its arithmetic at this model's size, so what matters is
-# whether the step can be recorded once and replayed (cuda_graphs.py): only flex's can.
+# On a GPU a small model's decode step costs more in launches than in arithmetic: the step must be recorded, and only flex's can.
 GPU_RULE = "on a GPU, the one backend whose decode step can be recorded as CUDA graphs (gather's shapes change every step)"
-# Contexts of one length would hide what padding costs gather: the probe's rows differ, as requests do.
-# Nine rounds: a burst of load spoils at most the rounds at its edges (a round it covers whole slows both
-# backends compared alike and their ratio stands), so the median holds while fewer than half are spoiled.
+# Rows of different contexts, as requests have (one length hides what padding costs gather); rounds enough for a robust median.
 PROBE_CONTEXTS, PROBE_ROUNDS = (32, 256), 9
-# A faster backend must win by this much to replace a simpler one: same-round ratios spread this wide from
-# start to start on a loaded machine (the startup_rules study), so a smaller win could flip between starts.
-MARGIN = 0.10
-# Simplest first: plain PyTorch, then one C function built in a second, then TorchInductor's compile per bucket.
-PREFERENCE = ("gather", "kernel", "flex")
+MARGIN = 0.10  # what a faster backend must win by to replace a simpler one: a smaller win could flip between starts
+PREFERENCE = ("gather", "kernel", "flex")  # simplest first: plain PyTorch, one C function, TorchInductor's compile per bucket
 
 
 def build_attention(name: str, store: PagedKVStore) -> PagedAttention:
@@ -67,11 +52,7 @@ def build_attention(name: str, store: PagedKVStore) -> PagedAttention:
 
 
 def choose_attention(name: str, store: PagedKVStore, model: DecoderModel, max_num_seqs: int, remeasure: bool = False) -> PagedAttention:
-    """The backend ``name`` names, or for ``auto`` the one :data:`RULE` picks on this machine (cached); warmed up.
-
-    Warm-up runs a decode step of every batch size bucket up to ``max_num_seqs`` (16, 32, 64, ...),
-    so a compiled backend compiles now, not under the first requests.
-    """
+    """The backend ``name`` names, or for ``auto`` the one :data:`RULE` picks (cached), warmed up (compiled) on every bucket."""
     if name == "auto" and store.device.type == "cuda":  # GPU_RULE
         log.info("decode attention: flex (%s)", GPU_RULE)
         name = "flex"
@@ -112,13 +93,8 @@ def _measure(store: PagedKVStore, model: DecoderModel, max_num_seqs: int, names:
 
 
 def scattered_decode_inputs(store: PagedKVStore, contexts: list[int], rng: random.Random) -> tuple[PackedInputs, list[Sequence]]:
-    """One packed decode step of new sequences whose histories hold ``contexts`` positions (the new token's included).
-
-    Their blocks come from ``store`` (the caller frees them: ``store.manager.free(seq.seq_id)``), each
-    table shuffled, as a busy pool scatters blocks: real tables are not runs of consecutive blocks.
-    The inputs are prepared as a served step's are. The probe, the attention benchmark and the tests
-    build their steps here.
-    """
+    """One packed decode step, prepared as a served one, of new sequences holding ``contexts`` positions; their blocks come from
+    ``store``, each table shuffled as a busy pool scatters them, and the caller frees them."""
     seqs = [Sequence([0] * context, 1) for context in contexts]
     for seq in seqs:
         store.manager.allocate(seq.seq_id, len(seq.token_ids))
@@ -129,16 +105,8 @@ def scattered_decode_inputs(store: PagedKVStore, contexts: list[int], rng: rando
 
 def measure_decode_steps(model: DecoderModel, store: PagedKVStore, backends: dict[str, PagedAttention], sequences: int,
                          rounds: int = PROBE_ROUNDS, leave_out_failing: bool = False) -> dict[str, list[float]]:
-    """Seconds of one packed decode step of ``sequences`` rows through each backend, one per round (the rule's probe).
-
-    Before the rounds, two unmeasured steps each: the first compiles and touches memory, the second
-    tells how long the rounds will take (logged). In the rounds the backends take turns, one step each,
-    :func:`round_order`: a machine that slows down for a moment slows one round's backends alike. The
-    probe's sequences take blocks from the store, scattered as a busy pool scatters them, and give
-    them back before this returns. With ``leave_out_failing`` a backend other than ``gather`` whose
-    first step raises (a compiler that cannot build its code on this machine) is left out of the
-    answer with a warning, instead of ending the start.
-    """
+    """Seconds of one packed decode step of ``sequences`` rows through each backend, per round, taking turns after two unmeasured
+    steps each; with ``leave_out_failing`` a backend other than ``gather`` whose first step raises is left out with a warning."""
     manager, rng = store.manager, random.Random(0)
     shortest, longest = min(PROBE_CONTEXTS[0], store.config.n_ctx), min(PROBE_CONTEXTS[1], store.config.n_ctx)
     sequences = max(1, min(sequences, manager.free_blocks // manager.blocks_for(longest)))

@@ -1,25 +1,6 @@
-"""Decode steps replayed from CUDA graphs: a packed decode step's kernel launches recorded once per bucket of rows.
-
-On a GPU the arithmetic of a decode step of this model takes less time than launching its few hundred
-kernels one by one from Python, and the step thread holds the interpreter lock while it launches them,
-so the HTTP side waits too. Chapter 5's ``cudagraph`` engine recorded static batches; a packed decode
-step (every row one token) has one shape per number of rows, so, as nano-vllm's ``capture_cudagraph``
-and vLLM's CUDA-graph sizes do, this records one graph per BUCKET of rows (16, 32, 64, ... up to
-``max_num_seqs``: the flex backend's buckets) and pads a step up to its bucket:
-
-- **static inputs**: token ids, positions and the slot mapping live in buffers written in place
-  before each replay; every row samples, so the logits indices are ``0 .. bucket - 1``;
-- **padding rows** carry token 0 at position 0, write their key and value into one scratch slot of a
-  block no sequence ever gets (vLLM's null block), and attend to no block at all: the flex bucket's
-  rows past the real ones list none (:meth:`~chapters.ch08_continuous_batching.attention_flex.FlexAttention.fill_mask`);
-- **attention** is ``flex`` only: its BlockMask tensors are already static per bucket and rewritten in
-  place each step, so a recorded kernel reads this step's block tables. ``gather``'s shapes change with
-  the longest history of each step, and the C kernel runs on CPUs;
-- a step with a prompt chunk in it, or more rows than the largest bucket, runs eagerly.
-
-``capture=False`` runs the same static path without recording (the CPU tests check its tokens), as
-chapter 5's engine does; only :meth:`GraphedDecodes._record` needs CUDA.
-"""
+"""Decode steps replayed from CUDA graphs, one per bucket of rows (flex's buckets: only its mask tensors are static per bucket),
+padded to the bucket in static buffers: padding rows take token 0 at position 0, write a scratch slot no sequence owns, and attend
+to no block. A step with a prompt chunk, or more rows than the largest bucket, runs eagerly; ``capture=False`` never records."""
 
 from __future__ import annotations
 
@@ -30,8 +11,8 @@ from collections.abc import Sequence as Rows
 import torch
 from torch import Tensor
 
-from chapters.ch08_continuous_batching.attention_flex import FlexAttention
-from chapters.ch08_continuous_batching.model_runner import PackedModel, pack_rows
+from chapters.ch08_continuous_batching.fast.attention_flex import FlexAttention
+from chapters.ch08_continuous_batching.model_runner import ModelRunner, PackedModel, pack_rows
 from chapters.ch08_continuous_batching.paged_attention import PackedInputs, PagedAttention
 from chapters.ch08_continuous_batching.paged_cache import PagedKVStore
 from chapters.ch08_continuous_batching.scheduler import ScheduledRow
@@ -107,21 +88,35 @@ class GraphedDecodes:
         return graph, output
 
 
-def recorded_decodes(setting: str, model: PackedModel, store: PagedKVStore, attention: PagedAttention,
-                     max_rows: int) -> GraphedDecodes | None:
-    """The ``--cuda-graphs`` setting applied: recorded decode steps, or None (eager steps).
+class GraphedModelRunner(ModelRunner):
+    """The core's runner, with the decode-only steps :class:`GraphedDecodes` holds replayed instead of launched."""
 
-    ``auto``: on where the pool is on a GPU and the attention is ``flex``. ``on`` where that does not
-    hold is refused with the reason (SettingsError: one line at start), rather than serving something else than was asked for.
-    """
+    def __init__(self, model: PackedModel, store: PagedKVStore, attention: PagedAttention, graphs: GraphedDecodes) -> None:
+        super().__init__(model, store, attention)
+        self.graphs = graphs
+
+    def execute(self, rows: Rows[ScheduledRow], num_decodes: int) -> Tensor:
+        if not self.graphs.holds(len(rows), num_decodes):
+            return super().execute(rows, num_decodes)
+        started = time.perf_counter()
+        bucket = self.graphs.prepare(rows)
+        prepared = time.perf_counter()
+        logits = self.graphs.run(bucket, len(rows))
+        self.last_prepare_s, self.last_model_s = prepared - started, time.perf_counter() - prepared
+        return logits
+
+
+def model_runner(setting: str, model: PackedModel, store: PagedKVStore, attention: PagedAttention, max_rows: int) -> ModelRunner:
+    """The ``--cuda-graphs`` setting applied: a runner with recorded decode steps, or the core's. ``auto``: recorded where the
+    pool is on a GPU and the attention is ``flex``; ``on`` where that does not hold raises SettingsError with the reason."""
     possible = store.device.type == "cuda" and isinstance(attention, FlexAttention)
     if setting == "off" or (setting == "auto" and not possible):
-        return None
+        return ModelRunner(model, store, attention)
     if not possible:
         raise SettingsError(f"--cuda-graphs on needs the pool on a GPU and the flex attention backend; here: the pool on "
-                         f"{store.device.type}, attention {attention.name}")
+                            f"{store.device.type}, attention {attention.name}")
     started = time.perf_counter()
     graphs = GraphedDecodes(model, store, attention, max_rows, capture=True)
     log.info("cuda graphs: decode steps of %s rows recorded in %.1f s", ", ".join(map(str, graphs.buckets)),
              time.perf_counter() - started)
-    return graphs
+    return GraphedModelRunner(model, store, attention, graphs)

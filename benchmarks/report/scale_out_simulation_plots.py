@@ -1,4 +1,4 @@
-"""Figures of the scale-out simulation (:mod:`~chapters.ch09_scale_out.simulation`), drawn on axes the caller owns.
+"""Figures of chapter 9's scale-out simulation (:mod:`chapters.ch09_scale_out.simulation`), drawn on axes the caller owns.
 
 No pyplot state: a notebook makes a :class:`matplotlib.figure.Figure`, its axes, and hands them
 here, so the same function serves a notebook, a report and a test.

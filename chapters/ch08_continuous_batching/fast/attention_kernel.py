@@ -1,12 +1,6 @@
-"""The ``kernel`` backend: every token of a step through this chapter's own C kernel, ``paged_decode.c``, beside this file.
-
-One call per layer for all the step's tokens, each a row: a decode row, or a prompt chunk's token,
-which attends up to its own position as a decode row does. It writes their new keys and values into
-their slots, then attends, reading the pool in place, each row's softmax computed over the whole row
-at once (no mask object, no copy of a chunk's cached past, no library call per block). Built once per
-machine with the system's C compiler and loaded with ctypes (which lets go of the GIL while it runs);
-where no compiler is found it is unavailable, with the reason. CPU, fp32 or bf16 caches.
-"""
+"""The ``kernel`` backend: every token of a step, one row each, through the C kernel ``paged_decode.c`` beside this file, which
+writes their keys and values, then attends, reading the pool in place. CPU only, fp32 or bf16 caches; built once per machine
+with the system's C compiler (else unavailable, with the reason), loaded with ctypes, which releases the GIL while it runs."""
 
 from __future__ import annotations
 
@@ -25,7 +19,7 @@ from torch import Tensor
 
 from chapters.ch08_continuous_batching.paged_attention import DecodeAttend, PackedInputs, PagedAttention, block_table_tensor
 from chapters.ch08_continuous_batching.paged_cache import PagedKVStore
-from chapters.ch08_continuous_batching.startup_cache import cache_dir, cpu_flags
+from chapters.ch08_continuous_batching.fast.startup_cache import cache_dir, cpu_flags
 from shared.model import Attend
 
 KERNEL_SOURCE = Path(__file__).with_name("paged_decode.c")
@@ -41,19 +35,14 @@ class KernelUnavailable(RuntimeError):
 
 
 def kernel_target(compiler: str, cache: Path) -> Path:
-    """Where the build for ``compiler`` lives in ``cache``: named for a digest of the source, the flags, the
-    compiler and every CPU feature flag (``-march=native`` code uses any of them)."""
+    """Where ``compiler``'s build lives in ``cache``: named for a digest of the source, flags, compiler and every CPU flag."""
     named = "\0".join([KERNEL_SOURCE.read_text(), *KERNEL_FLAGS, compiler, " ".join(cpu_flags(every=True))])
     return cache / f"paged_decode-{hashlib.sha256(named.encode()).hexdigest()[:16]}.so"
 
 
 def build_kernel(compiler: str | None = None, cache: Path | None = None) -> ctypes.CDLL:
-    """``paged_decode.c`` compiled for this machine and loaded; built once, then found in ``cache``
-    (default: :func:`~chapters.ch08_continuous_batching.startup_cache.cache_dir`, shared by every process here).
-
-    The file is :func:`kernel_target`'s (``-march=native`` code must not run on another CPU). Raises :class:`KernelUnavailable` with the
-    reason when there is no compiler or the build fails.
-    """
+    """``paged_decode.c`` compiled for this machine and loaded, built once into :func:`kernel_target` under ``cache`` (default:
+    :func:`cache_dir`, shared by every process here); :class:`KernelUnavailable` with the reason without a compiler or a build."""
     compiler = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler or shutil.which(compiler) is None:
         raise KernelUnavailable(f"the kernel backend is built with a C compiler ($CC, cc or gcc), and none was found"
@@ -81,21 +70,13 @@ def _kernel_library() -> ctypes.CDLL:
 
 
 def scores_scratch(heads: int, longest: int) -> Tensor:
-    """The kernel's ``logits`` scratch for rows of up to ``longest`` positions: one row's scores, every query head, each
-    padded to whole vectors (``paged_decode.c`` writes and reads them a vector, up to 16 floats, at a time)."""
+    """The kernel's ``logits`` scratch for a row of up to ``longest`` positions: every head's scores, padded to 16 floats."""
     return torch.empty(heads * (longest + 16), dtype=torch.float32)
 
 
 class KernelAttention(PagedAttention):
-    """Every token of a step through ``paged_decode.c``, reading the pool in place.
-
-    Each step, :meth:`bind` makes every token a row and :meth:`bind_decodes` makes the rows' block
-    tables one int32 tensor (rows, widest), offset to the pool's first block, and their context
-    lengths; each layer then makes ONE kernel call for every row, reading the queries, keys and values
-    where the model computed them and writing the output where the model's next linear layer reads it
-    (no copy on either side, where queries, keys and values share their token and head strides: else
-    fp32 copies of the step's new ones). Query head ``h`` reads key/value head ``h // (heads / kv_heads)``.
-    """
+    """Every token of a step through ``paged_decode.c``, ONE call per layer reading queries, keys and values where the model put
+    them and writing where its next layer reads (no copy where they share token and head strides; else fp32 copies)."""
 
     name = "kernel"
 
@@ -116,9 +97,8 @@ class KernelAttention(PagedAttention):
         return None
 
     def bind(self, inputs: PackedInputs) -> Attend:
-        """The step with every token a row of its own: a chunk's token at position ``p`` attends to positions
-        ``0 .. p`` of its sequence, as a decode row does (the kernel writes every row's key and value before
-        any row reads), so the rows of a chunk share its block table, and no row needs a mask or a copy."""
+        """The step with every token a row: a chunk's token at position ``p`` attends to ``0 .. p`` as a decode row does (the
+        kernel writes every row's key and value before any row reads), sharing its chunk's block table, with no mask or copy."""
         counts = [end - start for start, end in zip(inputs.query_start, inputs.query_start[1:])]
         return super().bind(dataclasses.replace(
             inputs, query_start=list(range(sum(counts) + 1)), num_decodes=sum(counts),
@@ -143,5 +123,4 @@ class KernelAttention(PagedAttention):
                          keys.data_ptr(), values.data_ptr(), tables.data_ptr(), tables.shape[1], lens_tensor.data_ptr(),
                          rows, self.heads, self.kv_heads, self.head_dim, size, self._scale, self._scratch.data_ptr(),
                          out.data_ptr(), out.stride(2))
-
         return decode
