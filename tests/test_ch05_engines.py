@@ -411,8 +411,7 @@ def test_bf16_weights_are_laid_out_once_for_onednn_and_a_deep_copy_lays_out_its_
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 96)
     mixed, x = Bf16MatmulLinear(linear, min_rows=1), torch.randn(3, 20, 64)
-    if bf16_matmul._onednn_linear() is not None:
-        assert mixed.weight_bf16.is_mkldnn  # the product reads it as it is: no reorder per call
+    assert mixed.weight_bf16.is_mkldnn == bf16_matmul.onednn_takes_bf16()  # laid out where oneDNN multiplies bf16
     clone = copy.deepcopy(mixed)
     with torch.no_grad():
         plain = torch.nn.functional.linear(x.bfloat16(), linear.weight.bfloat16(), linear.bias.bfloat16()).float()

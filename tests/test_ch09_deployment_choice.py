@@ -12,7 +12,8 @@ import pytest
 
 from chapters.ch08_continuous_batching.server import ContinuousSettings
 from chapters.ch09_scale_out import deployment_choice
-from chapters.ch09_scale_out.deployment_choice import ChoiceBook, ChoiceLost, agreed_build, book_name, rules_left_open
+from chapters.ch09_scale_out.deployment_choice import (ChoiceBook, ChoiceLost, PublishAfterStartup, agreed_settings, book_name,
+                                                        publish_served, rules_left_open)
 
 GATHER = {"engine": "eager", "precision": "fp32", "attention": "gather"}
 KERNEL = {"engine": "eager", "precision": "bf16", "attention": "kernel"}
@@ -24,7 +25,7 @@ class ActorHandle:
     def __init__(self, book: ChoiceBook) -> None:
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        for name in ("claim", "publish", "wait"):
+        for name in ("claim", "publish", "wait", "release"):
             setattr(self, name, SimpleNamespace(remote=self._caller(getattr(book, name))))
 
     def _caller(self, method):
@@ -44,15 +45,16 @@ def ray_get(monkeypatch):
     monkeypatch.setattr(ray, "get", lambda future, timeout=None: future.result(timeout=30))
 
 
-def fake_build(measures_as: dict[str, str], built: list):
-    """A chapter 8 build whose rules, left at auto, would choose ``measures_as`` on this replica."""
-    def build(settings: ContinuousSettings):
-        measured = rules_left_open(settings)
-        served = dict(measures_as) if measured else {name: getattr(settings, name) for name in deployment_choice.RULED_FIELDS}
-        built.append("measured" if measured else "named")
+def start_replica(settings: ContinuousSettings, handle, replica: str, measures_as: dict[str, str], built: list) -> dict[str, str]:
+    """What chapter 9's replica does, with a chapter 8 build whose rules, left at auto, would choose ``measures_as``:
+    the settings agreed, the app built, and (if it measured) the choice published once started. Returns what it serves."""
+    agreed, measures = agreed_settings(settings, handle, replica, wait_step_s=0.05)
+    served = dict(measures_as) if rules_left_open(agreed) else {name: getattr(agreed, name) for name in deployment_choice.RULED_FIELDS}
+    built.append("measured" if measures else "named")
+    if measures:
         health = {"backend": {"engine": {"engine": served["engine"], "precision": served["precision"]}, "attention": served["attention"]}}
-        return SimpleNamespace(state=SimpleNamespace(production=SimpleNamespace(health=lambda: health)), served=served)
-    return build
+        publish_served(handle, replica, health)
+    return served
 
 
 def test_the_first_claim_measures_the_others_wait_and_the_first_record_wins() -> None:
@@ -85,30 +87,55 @@ def test_replicas_started_together_serve_the_first_ones_measurement(ray_get) -> 
     settings = ContinuousSettings(engine="auto", precision="auto", attention="auto")
     try:
         with ThreadPoolExecutor(4) as pool:
-            apps = list(pool.map(lambda i: agreed_build(settings, handle, f"r{i}", fake_build(GATHER if i == 0 else KERNEL, built),
-                                                        wait_step_s=0.05),
-                                 range(4)))
+            served = list(pool.map(lambda i: start_replica(settings, handle, f"r{i}", GATHER if i == 0 else KERNEL, built), range(4)))
     finally:
         handle.close()
-    served = [app.served for app in apps]
     assert all(choice == served[0] for choice in served), served
     assert sorted(built) == ["measured", "named", "named", "named"]  # each built once; only the first measured
 
 
 def test_a_replica_whose_measurement_lost_the_race_refuses_to_serve_it(ray_get) -> None:
     book = ChoiceBook()
-    book.claim("a", 0.0)  # a's lease ran out while it measured; b took over and recorded
+    book.claim("a", 0.0)  # a's lease ran out while it measured; b took over and recorded first
     book.claim("b", 60)
     book.publish("b", GATHER)
-    book.choice, book.claimed_by = None, "a"  # a, still measuring, sees no record yet when it claims ...
     handle = ActorHandle(book)
-    original_publish = handle.publish.remote
-    handle.publish = SimpleNamespace(remote=lambda replica, choice: (setattr(book, "choice", GATHER), original_publish(replica, choice))[1])
+    health = {"backend": {"engine": {"engine": "eager", "precision": "bf16"}, "attention": "kernel"}}
     try:
         with pytest.raises(ChoiceLost, match="the deployment's choice is"):
-            agreed_build(ContinuousSettings(attention="auto"), handle, "a", fake_build(KERNEL, []))
+            publish_served(handle, "a", health)
     finally:
         handle.close()
+
+
+def test_a_started_app_publishes_before_its_start_completes_and_a_failed_one_releases_its_claim() -> None:
+    events: list[str] = []
+
+    def app_reporting(outcome: str):
+        async def app(scope, receive, send) -> None:
+            await send({"type": f"lifespan.startup.{outcome}"})
+        return app
+
+    async def send(message: dict) -> None:
+        events.append(message["type"])
+
+    def lost() -> None:
+        raise ChoiceLost("another choice was recorded")
+
+    scope = {"type": "lifespan"}
+    for app, publish in ((app_reporting("complete"), lambda: events.append("publish")), (app_reporting("complete"), lost),
+                         (app_reporting("failed"), lambda: events.append("publish"))):
+        asyncio.run(PublishAfterStartup(app, publish, lambda: events.append("release"))(scope, None, send))
+    assert events == ["publish", "lifespan.startup.complete",  # published before the start is reported
+                      "release", "lifespan.startup.failed",  # another's choice: the start fails, the claim is released
+                      "release", "lifespan.startup.failed"]  # a start that failed by itself releases its claim too
+
+
+def test_a_released_claim_is_taken_at_once() -> None:
+    book = ChoiceBook()
+    assert book.claim("a", 600) == {"measure": True}
+    book.release("a")
+    assert book.claim("b", 600) == {"measure": True}
 
 
 def test_the_book_is_named_by_the_settings() -> None:

@@ -161,6 +161,33 @@ def test_a_replica_killed_mid_request_costs_only_its_requests_each_replayed_or_a
             assert tokens == oracle(prompt, new_tokens)  # a replayed answer is the answer
 
 
+@SLOW_RAY
+def test_two_replicas_started_together_measure_once_and_answer_alike(tmp_path) -> None:
+    """Both replicas leave the engine and attention to their rules, with nothing cached (a new node), started together on
+    shared cores: one measures, the other serves its choice, and 50 greedy requests get one answer per prompt."""
+    import asyncio
+
+    args = ["--num-replicas", "2", "--spare-replicas", "0", "--replica-cpus", "0.5", "--device", "cpu", "--torch-threads", "1",
+            "--max-num-seqs", "16", "--probe-interval-s", "3600", "--drain-timeout-s", "10"]
+    prompts = [list(range(3 + i, 19 + i)) for i in range(5)]
+    with running_module(MODULE, args, name="ch09-choice", env={"SFS_CACHE_DIR": str(tmp_path)}, startup_timeout_s=540) as server:
+        async def ask_all() -> list[tuple[int, list[int]]]:
+            async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+                async def ask(i: int) -> tuple[int, list[int]]:
+                    response = await client.post("/v1/inference", json={"input_ids": prompts[i % 5], "max_new_tokens": 24})
+                    assert response.status_code == 200, response.text
+                    return i % 5, response.json()["output_ids"]
+                return await asyncio.gather(*(ask(i) for i in range(50)))
+
+        answers: dict[int, set[tuple[int, ...]]] = {}
+        for prompt, tokens in asyncio.run(ask_all()):
+            answers.setdefault(prompt, set()).add(tuple(tokens))
+        log = server.log_tail(400_000)
+    assert all(len(distinct) == 1 for distinct in answers.values()), answers
+    assert log.count("measured here, recorded for the deployment") == 1, "not one replica measured"
+    assert "engine and attention: the deployment's choice" in log, "the second replica did not serve the first one's choice"
+
+
 def test_serves_limits_come_from_chapter_8s_scheduler_and_chapter_7s_drain() -> None:
     settings = ScaleOutSettings(max_num_seqs=16, max_queue=8, drain_timeout_s=12.0, num_replicas=3, spare_replicas=0, replica_cpus=0.5)
     options = deployment_options(replica_settings(settings), settings)

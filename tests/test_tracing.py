@@ -215,6 +215,87 @@ def test_a_request_that_names_its_callers_span_is_that_spans_child(collector) ->
     assert shell.trace_id == caller_trace
 
 
+async def through_asgi_lifespan(app, scenario, on_shutdown_complete) -> None:
+    """``scenario(client)`` between the app's start-up and shutdown driven through its ASGI interface, as uvicorn and Serve
+    drive it (middlewares included); ``on_shutdown_complete()`` runs when the app reports its shutdown complete."""
+    inbox: asyncio.Queue = asyncio.Queue()
+    started = asyncio.Event()
+
+    async def send(message: dict) -> None:
+        if message["type"] == "lifespan.startup.complete":
+            started.set()
+        elif message["type"] == "lifespan.shutdown.complete":
+            on_shutdown_complete()
+        elif message["type"].endswith(".failed"):
+            raise AssertionError(message)
+
+    await inbox.put({"type": "lifespan.startup"})
+    lifespan = asyncio.ensure_future(app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, inbox.get, send))
+    await started.wait()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=60) as client:
+        await scenario(client)
+    await inbox.put({"type": "lifespan.shutdown"})
+    await lifespan
+
+
+def test_a_stopping_server_has_exported_every_span_when_its_shutdown_completes(collector, monkeypatch) -> None:
+    """The batch's interval set past the test's length: only the flush at shutdown can export them in time."""
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "600000")
+    app = build_app(settings(otlp_endpoint=collector.url))
+    at_shutdown: list[ReceivedSpan] = []
+
+    async def scenario(client: httpx.AsyncClient) -> None:
+        await app.state.production.probe.passed.wait()
+        response = await client.post("/v1/inference", headers={"X-Request-ID": "last"}, json={"input_ids": [3, 4], "max_new_tokens": 3})
+        assert response.status_code == 200, response.text
+
+    asyncio.run(through_asgi_lifespan(app, scenario, lambda: at_shutdown.extend(collector.spans)))
+    assert "last" in by_request(at_shutdown), [(s.name, s.attributes) for s in at_shutdown]
+    assert_one_connected_trace(by_request(at_shutdown)["last"])
+
+
+def test_an_edge_exports_its_spans_before_it_reports_itself_idle() -> None:
+    from chapters.ch09_scale_out.stopping import DrainAtTheEdge
+
+    order: list[str] = []
+
+    class Signal:  # the drain signal as the edge sees it: awaitable calls, and one it does not await
+        def __init__(self) -> None:
+            self.draining, self.idle = asyncio.Event(), asyncio.Event()
+            self.wait_draining = type("Call", (), {"remote": lambda _: self.draining.wait()})()
+            self.report_idle = type("Call", (), {"remote": lambda _, edge_id: (order.append("idle"), self.idle.set())})()
+
+    async def scenario() -> None:
+        entered, release = asyncio.Event(), asyncio.Event()
+
+        async def proxy(scope, receive, send) -> None:
+            entered.set()
+            await release.wait()
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"{}"})
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": b"{}"}
+
+        async def send(message: dict) -> None:
+            pass
+
+        edge = DrainAtTheEdge(proxy, before_idle=lambda: order.append("flush"))
+        edge._registration, edge._signal = asyncio.get_running_loop().create_future(), Signal()
+        edge._registration.set_result(None)
+        request = asyncio.ensure_future(edge({"type": "http", "method": "POST", "path": "/v1/inference", "headers": []}, receive, send))
+        await entered.wait()  # the request is in flight at the edge
+        edge._signal.draining.set()
+        await edge._watch()
+        assert order == []  # a request in flight: not idle yet
+        release.set()
+        await request
+        await edge._signal.idle.wait()
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
+    assert order == ["flush", "idle"]
+
+
 def test_without_an_endpoint_chapter_8_loads_no_opentelemetry_sdk_or_exporter() -> None:
     """Tracing off costs nothing: the server is built and answers, and no tracer, processor or exporter was ever loaded.
 
@@ -243,14 +324,15 @@ print(sorted(name for name in sys.modules if name.startswith(("opentelemetry.sdk
 # ---------------------------------------------------------------- through Serve (chapter 9, real Ray)
 
 
-def test_the_edge_is_outermost_and_sends_its_span_on_in_the_traceparent_of_the_scope_it_passes_in(collector, monkeypatch) -> None:
+def test_the_edge_span_is_inside_the_drain_and_sends_its_span_on_in_the_traceparent_of_the_scope_it_passes_in(collector, monkeypatch) -> None:
     """Chapter 9's edge without Ray: what Serve's proxy would receive names the edge span, in W3C's format."""
     from chapters.ch08_continuous_batching.tracing import OTLP_ENDPOINT_ENV
-    from chapters.ch09_scale_out.edge import TraceAtTheEdge, proxy_middlewares, traced_edge
+    from chapters.ch09_scale_out.edge import TraceAtTheEdge, edge_tracing, proxy_middlewares, traced_edge
+    from chapters.ch09_scale_out.stopping import DrainAtTheEdge
 
     monkeypatch.setenv(OTLP_ENDPOINT_ENV, collector.url)
-    outermost = proxy_middlewares()[-1]  # Serve wraps them in order: the last is outermost
-    assert outermost.cls is TraceAtTheEdge
+    composed = [middleware.cls for middleware in proxy_middlewares()]  # Serve wraps them in order: the last is outermost
+    assert composed[-2:] == [TraceAtTheEdge, DrainAtTheEdge]  # the drain counts a request until its edge span has ended
     client_trace, client_span = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
     passed_in: dict[bytes, bytes] = {}
 
@@ -266,7 +348,7 @@ def test_the_edge_is_outermost_and_sends_its_span_on_in_the_traceparent_of_the_s
         pass
 
     edge = proxy
-    for middleware in traced_edge():  # as Serve composes them: each wraps the ones before it
+    for middleware in traced_edge(edge_tracing()):  # as Serve composes them: each wraps the ones before it
         edge = middleware.cls(edge, *middleware.args, **middleware.kwargs)
     assert isinstance(edge, TraceAtTheEdge)
     scope = {"type": "http", "method": "POST", "path": "/v1/inference",
@@ -287,6 +369,7 @@ def test_through_serve_the_edge_span_is_the_parent_of_the_replicas_spans(collect
             "--torch-threads", "1", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--probe-interval-s", "3600",
             "--drain-timeout-s", "10", "--otlp-endpoint", collector.url]
     env = {"OTEL_BSP_SCHEDULE_DELAY": "200"}  # the SDK's batch interval (ms), read in every process: spans arrive soon
+    asked = ("via-serve-whole", "via-serve-stream", "via-serve-openai")  # one request id across each trace, edge included
     with running_module("chapters.ch09_scale_out", args, name="ch09-tracing", env=env, startup_timeout_s=240) as server:
         with httpx.Client(base_url=server.url, timeout=60) as client:
             whole = client.post("/v1/inference", headers={"X-Request-ID": "via-serve-whole"}, json={"input_ids": [5, 6, 7], "max_new_tokens": 4})
@@ -295,14 +378,18 @@ def test_through_serve_the_edge_span_is_the_parent_of_the_replicas_spans(collect
                                json={"input_ids": [1, 2, 3], "max_new_tokens": 4, "stream": True}) as streamed:
                 assert streamed.status_code == 200
                 assert "event: done" in streamed.read().decode()
+            model = client.get("/v1/models").json()["data"][0]["id"]
+            completion = client.post("/v1/completions", headers={"X-Request-ID": "via-serve-openai"},
+                                     json={"model": model, "prompt": [5, 6, 7], "max_tokens": 4})
+            assert completion.status_code == 200, completion.text
 
         def complete(got: list[ReceivedSpan]) -> bool:
             traces = by_request(got)
-            return all(len(traces.get(rid, [])) >= 1 + 1 + len(ENGINE_SPANS) for rid in ("via-serve-whole", "via-serve-stream"))
+            return all(len(traces.get(rid, [])) >= 1 + 1 + len(ENGINE_SPANS) for rid in asked)
 
         spans = collector.wait_for(complete)
     for rid, request_spans in by_request(spans).items():
-        if rid not in ("via-serve-whole", "via-serve-stream"):
+        if rid not in asked:
             continue
         edges = [s for s in request_spans if s.service == "ch09-edge"]
         assert len(edges) == 1 and edges[0].parent_id == "", [(s.service, s.name) for s in request_spans]

@@ -6,6 +6,7 @@ only the MLP's hidden activation stays bf16 between its two products."""
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -114,11 +115,27 @@ def _onednn_linear():
     return getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
 
 
+@functools.cache
+def onednn_takes_bf16() -> bool:
+    """Whether oneDNN runs a bf16 product on this CPU, plain and fused: some refuse below AVX-512 (or under a
+    lower ``ONEDNN_MAX_CPU_ISA``) only when the product runs, so one tiny product runs first, once per process."""
+    fused, reorder = _onednn_linear(), getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
+    if fused is None or reorder is None:
+        return False
+    x, weight = torch.zeros(1, 16, dtype=torch.bfloat16), torch.zeros(16, 16, dtype=torch.bfloat16)
+    try:
+        fused(x, reorder(weight), None, "none", [], "")
+        fused(x, weight, None, "gelu", [], "tanh")
+    except RuntimeError:
+        return False
+    return True
+
+
 def onednn_layout(weight: Tensor) -> Tensor:
     """``weight`` (out, in), bf16, laid out once in oneDNN's blocked layout so no product reorders it (same result to the
     bit); the plain weight where this torch lacks oneDNN's ops or oneDNN refuses bf16 on this CPU."""
     reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
-    if _onednn_linear() is None or reorder is None or weight.device.type != "cpu":
+    if _onednn_linear() is None or reorder is None or weight.device.type != "cpu" or not onednn_takes_bf16():
         return weight
     try:
         return reorder(weight)
@@ -136,7 +153,7 @@ def linear_bf16(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 def linear_gelu_bf16(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``tanh-GELU(x @ weight.T + bias)`` in bf16, one oneDNN call where this torch has the fused op."""
     fused = _onednn_linear()
-    if fused is not None and x.device.type == "cpu":
+    if fused is not None and x.device.type == "cpu" and onednn_takes_bf16():
         return fused(x, weight, bias, "gelu", [], "tanh")
     return F.gelu(F.linear(x, weight, bias), approximate="tanh")
 

@@ -4,6 +4,7 @@ names ``trace_id`` and ``span_id``. OpenTelemetry is imported only when tracing,
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -15,7 +16,8 @@ from shared.schemas import REQUEST_ID_HEADER, request_id_from
 
 OTLP_ENDPOINT_ENV = "SFS_OTLP_ENDPOINT"  # the --otlp-endpoint flag's variable (shared/settings.py's rule)
 SERVER_SERVICE = "ch08-server"
-TRACED_PATHS = ("/v1/inference", "/v1/completions")
+TRACED_PATHS = ("/v1/inference", "/v1/completions", "/v1/chat/completions")
+FLUSH_TIMEOUT_MS = 5_000  # what a stopping server waits for its last spans to reach the collector
 REQUEST_ID_ATTRIBUTE = "request.id"
 TRACES_PATH = "/v1/traces"
 
@@ -45,7 +47,8 @@ class Tracing:
         """A ``time.perf_counter()`` reading as the epoch nanoseconds a span's start or end takes."""
         return self._epoch_minus_perf_ns + int(perf_s * 1e9)
 
-    def flush(self, timeout_ms: int = 30_000) -> bool:
+    def flush(self, timeout_ms: int = FLUSH_TIMEOUT_MS) -> bool:
+        """Export every finished span now (a batch waits for its interval, and a process that ends drops it)."""
         return self.provider.force_flush(timeout_ms)
 
 
@@ -91,6 +94,9 @@ class TracedRequests:
         self.app, self.tracing, self.paths = app, tracing, paths
 
     async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":  # the app's shutdown (after its drain) waits for the last spans to be exported
+            await self.app(scope, receive, self._flush_before_shutdown_completes(send))
+            return
         if scope["type"] != "http" or scope["path"] not in self.paths:
             await self.app(scope, receive, send)
             return
@@ -129,6 +135,13 @@ class TracedRequests:
             if (answer.status or 500) >= 500:
                 span.set_status(Status(StatusCode.ERROR, f"HTTP {answer.status or 500}"))
             span.end()
+
+    def _flush_before_shutdown_completes(self, send):
+        async def flush_then_send(message: dict) -> None:
+            if message["type"] == "lifespan.shutdown.complete":
+                await asyncio.to_thread(self.tracing.flush)
+            await send(message)
+        return flush_then_send
 
 
 @dataclass

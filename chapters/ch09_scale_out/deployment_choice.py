@@ -48,11 +48,15 @@ class ChoiceBook:
             return {"measure": True}
         return {"wait": True, "claimed_by": self.claimed_by}
 
+    def release(self, replica: str) -> None:
+        """A claimer whose start failed: the next claim measures at once, not after the lease."""
+        if self.choice is None and self.claimed_by == replica:
+            self.claimed_by, self.claim_expires = None, 0.0
+
     def publish(self, replica: str, choice: dict[str, str]) -> dict[str, str]:
         if self.choice is None:
             self.choice = dict(choice)
             self.recorded.set()
-            log.info("deployment choice %s recorded by %s", self.choice, replica)
         return self.choice
 
     async def wait(self, timeout_s: float) -> dict[str, str] | None:
@@ -80,27 +84,60 @@ def served_choice(health: dict[str, Any]) -> dict[str, str]:
     return {"engine": backend["engine"]["engine"], "precision": backend["engine"]["precision"], "attention": backend["attention"]}
 
 
-def agreed_build(settings: ContinuousSettings, book, replica: str, build: Callable[[ContinuousSettings], Any],
-                 lease_s: float = 600.0, wait_step_s: float = 30.0) -> Any:
-    """``build`` (a chapter 8 app from settings) with the deployment's choice: this replica's own measurement if it is
-    the first, recorded in ``book`` (a :class:`ChoiceBook` actor handle); else what the first recorded.
-    Raises :class:`ChoiceLost` if this replica measured but another's choice was recorded first."""
+def agreed_settings(settings: ContinuousSettings, book, replica: str, lease_s: float = 300.0,
+                    wait_step_s: float = 30.0) -> tuple[ContinuousSettings, bool]:
+    """The settings this replica builds chapter 8 from, and whether it measures: the deployment's choice named, once
+    ``book`` (a :class:`ChoiceBook` actor handle) has one; else its own (rules at ``auto``) if it is the first to claim,
+    and then it must :func:`publish_served` once started; else it waits for the first one's."""
     import ray
 
     while True:
         answer = ray.get(book.claim.remote(replica, lease_s))
         if "choice" in answer:
             log.info("engine and attention: the deployment's choice %s", answer["choice"])
-            return build(settings.model_copy(update=answer["choice"]))
+            return settings.model_copy(update=answer["choice"]), False
         if "measure" in answer:
-            app = build(settings)
-            mine = served_choice(app.state.production.health())
-            recorded = ray.get(book.publish.remote(replica, mine))
-            if recorded != mine:
-                raise ChoiceLost(f"measured {mine}, but the deployment's choice is {recorded}: restart to serve it")
-            return app
+            return settings, True
         log.info("engine and attention: waiting for %s's measurement", answer["claimed_by"])
         ray.get(book.wait.remote(wait_step_s))
+
+
+def publish_served(book, replica: str, health: dict[str, Any]) -> None:
+    """Record what this replica, the one that measured, serves (from its ``/healthz`` once started); :class:`ChoiceLost`
+    if another replica's choice was recorded first."""
+    import ray
+
+    mine = served_choice(health)
+    recorded = ray.get(book.publish.remote(replica, mine))
+    if recorded != mine:
+        raise ChoiceLost(f"measured {mine}, but the deployment's choice is {recorded}: restart to serve it")
+    log.info("engine and attention: measured here, recorded for the deployment: %s", mine)
+
+
+class PublishAfterStartup:
+    """ASGI wrapper of the measuring replica's app: once the app has started (its engine and attention chosen), the
+    choice is published before the start is reported complete; a failed publish or start releases the claim."""
+
+    def __init__(self, app, publish: Callable[[], None], release: Callable[[], None]) -> None:
+        self.app, self.publish, self.release = app, publish, release
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "lifespan":
+            await self.app(scope, receive, send)
+            return
+
+        async def publish_then_send(message: dict) -> None:
+            if message["type"] == "lifespan.startup.complete":
+                try:
+                    await asyncio.to_thread(self.publish)
+                except Exception as error:  # noqa: BLE001 - the start fails with the reason, whatever it is
+                    await asyncio.to_thread(self.release)
+                    message = {"type": "lifespan.startup.failed", "message": f"{type(error).__name__}: {error}"}
+            elif message["type"] == "lifespan.startup.failed":
+                await asyncio.to_thread(self.release)
+            await send(message)
+
+        await self.app(scope, receive, publish_then_send)
 
 
 def choice_book(settings: ContinuousSettings):

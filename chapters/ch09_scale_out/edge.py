@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from starlette.middleware import Middleware
 
 from chapters.ch08_continuous_batching.streaming import sse
-from chapters.ch08_continuous_batching.tracing import OTLP_ENDPOINT_ENV, TracedRequests, tracing_for
+from chapters.ch08_continuous_batching.tracing import OTLP_ENDPOINT_ENV, TracedRequests, Tracing, tracing_for
 from chapters.ch09_scale_out.routing import TOKEN_BUDGET_HEADER, token_budget
 from chapters.ch09_scale_out.stopping import DrainAtTheEdge
 from shared.schemas import error_body
@@ -31,16 +31,24 @@ REPLICA_FAILED = "the replica serving this request stopped before it finished (i
 
 def proxy_middlewares() -> list[Middleware]:
     """The middlewares around Serve's proxy (``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` names this), the last outermost:
-    the drain (:mod:`~chapters.ch09_scale_out.stopping`) counts a request from arrival to its last byte, replays included."""
-    return [Middleware(ContractAtTheEdge), Middleware(DrainAtTheEdge), *traced_edge()]
+    the drain (:mod:`~chapters.ch09_scale_out.stopping`) counts a request from arrival to its last byte, its edge span and
+    replays included, and exports the edge's spans before it reports itself idle."""
+    tracing = edge_tracing()
+    return [Middleware(ContractAtTheEdge), *traced_edge(tracing),
+            Middleware(DrainAtTheEdge, before_idle=tracing.flush if tracing is not None else None)]
 
 
-def traced_edge() -> list[Middleware]:
-    """The edge span (outermost) and, inside it, its context put on the request, when ``SFS_OTLP_ENDPOINT`` names a collector."""
+def edge_tracing() -> Tracing | None:
+    """The edge's tracing when ``SFS_OTLP_ENDPOINT`` names a collector, else None."""
     endpoint = os.environ.get(OTLP_ENDPOINT_ENV, "")
-    if not endpoint:
+    return tracing_for(endpoint, EDGE_SERVICE) if endpoint else None
+
+
+def traced_edge(tracing: Tracing | None) -> list[Middleware]:
+    """The edge span and, inside it, its context put on the request (none without ``tracing``)."""
+    if tracing is None:
         return []
-    return [Middleware(TraceContextToReplica), Middleware(TraceAtTheEdge, tracing=tracing_for(endpoint, EDGE_SERVICE))]
+    return [Middleware(TraceContextToReplica), Middleware(TraceAtTheEdge, tracing=tracing)]
 
 
 class TraceAtTheEdge(TracedRequests):

@@ -17,7 +17,7 @@ from chapters.ch07_production.drain import DrainController
 from chapters.ch07_production.request_log import configure_json_logging
 from chapters.ch07_production.server import ProductionBackend
 from chapters.ch08_continuous_batching.server import ContinuousSettings, build_app
-from chapters.ch09_scale_out.deployment_choice import agreed_build, choice_book, rules_left_open
+from chapters.ch09_scale_out.deployment_choice import PublishAfterStartup, agreed_settings, choice_book, publish_served, rules_left_open
 from chapters.ch09_scale_out.routing import request_router_config
 from shared.settings import ServerSettings
 
@@ -140,13 +140,17 @@ class ContinuousReplica:
         configure_json_logging(self.settings.log_level)  # chapter 7's log lines, from the replica's process (Ray relays them)
 
     def __serve_build_asgi_app__(self):
-        if rules_left_open(self.settings):  # one choice for every replica: the first one's measurement
-            replica = serve.get_replica_context().replica_tag
-            self.server_app = agreed_build(self.settings, choice_book(self.settings), replica, build_app)
-        else:
-            self.server_app = build_app(self.settings)
+        if not rules_left_open(self.settings):
+            self.server_app = app = build_app(self.settings)
+        else:  # one choice for every replica: the first one's measurement
+            book, replica = choice_book(self.settings), serve.get_replica_context().replica_tag
+            settings, measures = agreed_settings(self.settings, book, replica)
+            self.server_app = app = build_app(settings)
+            if measures:
+                app = PublishAfterStartup(app, lambda: publish_served(book, replica, self.server_app.state.production.health()),
+                                          lambda: ray.get(book.release.remote(replica)))
         self.ready_at = time.monotonic()  # the last check_health that found it ready (or still starting)
-        return DrainBeforeShutdown(self.server_app, self.server_app.state.drain)
+        return DrainBeforeShutdown(app, self.server_app.state.drain)
 
     async def check_health(self) -> None:
         backend, now = self.server_app.state.production, time.monotonic()

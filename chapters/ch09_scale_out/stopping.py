@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 import uuid
+from collections.abc import Callable
 
 import ray
 
@@ -101,8 +102,8 @@ def drain_edges(timeout_s: float) -> list[str]:
 class DrainAtTheEdge:
     """Middleware around Serve's proxy: counts the requests it passes on; once told to drain, refuses new ones with the
     contract's 503 and reports itself idle when the last one passed on has finished."""
-    def __init__(self, app) -> None:
-        self.app = app
+    def __init__(self, app, before_idle: Callable[[], object] | None = None) -> None:
+        self.app, self.before_idle = app, before_idle  # before_idle: run (in a thread) before each report of idle
         self.edge_id = uuid.uuid4().hex
         self.in_flight = 0
         self.draining = False
@@ -125,7 +126,7 @@ class DrainAtTheEdge:
         finally:
             self.in_flight -= 1
             if self.draining and self.in_flight == 0:
-                self._signal.report_idle.remote(self.edge_id)
+                asyncio.ensure_future(self._report_idle())  # not this request's task: its client may be gone
 
     async def _register(self) -> None:
         if not ray.is_initialized():  # outside a Ray process (a stand-in for Serve's proxy): no cluster to drain with
@@ -150,7 +151,12 @@ class DrainAtTheEdge:
         self.draining = True
         log.info("draining: %d request(s) in flight at this edge; new ones get 503", self.in_flight)
         if self.in_flight == 0:
-            self._signal.report_idle.remote(self.edge_id)
+            await self._report_idle()
+
+    async def _report_idle(self) -> None:
+        if self.before_idle is not None:
+            await asyncio.to_thread(self.before_idle)
+        self._signal.report_idle.remote(self.edge_id)
 
 
 async def _refuse(scope, send) -> None:
