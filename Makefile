@@ -106,4 +106,5 @@ grade: setup
 # Chapter 9's image (chapters/ch09_scale_out/Dockerfile); push it to your registry and name it in deploy/rayservice.yaml.
 image:
 	@command -v $(CONTAINER) >/dev/null || { echo "make image needs a container engine: install Docker, or Podman and run make image CONTAINER=podman" >&2; exit 2; }
+	@$(CONTAINER) info >/dev/null 2>&1 || { echo "make image: $(CONTAINER) is installed but its engine does not answer ($(CONTAINER) info fails): start it, or name another with CONTAINER=" >&2; exit 2; }
 	$(CONTAINER) build -f chapters/ch09_scale_out/Dockerfile -t $(IMAGE):$(VERSION) .

@@ -18,14 +18,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        wide = x.float()
-        wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * wide.to(x.dtype)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
     """The cosines and sines of every position up to ``n_ctx``, and the rotation they apply: pairs of dimensions
-    (i, i + D/2) of a head are turned by ``position * theta ** (-2i / D)``."""
+    (i, i + D/2) of a head are turned by ``position * theta ** (-2i / D)``:
+    ``(first, second) -> (first * cos - second * sin, second * cos + first * sin)``."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -34,14 +33,15 @@ class RotaryEmbedding(nn.Module):
         angles = torch.arange(config.n_ctx, dtype=torch.float32, device=cpu)[:, None] * inv_freq[None, :]
         angles = torch.cat([angles, angles], dim=-1)  # (n_ctx, D): the same angle for i and i + D/2
         self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        # The halves swapped ((second, first): a roll by D/2) times (-sin, sin) is the rotation's second term.
+        sin = angles.sin()
+        self.register_buffer("signed_sin", torch.cat([-sin[:, : dim // 2], sin[:, dim // 2 :]], dim=-1), persistent=False)
 
     def forward(self, x: Tensor, position_ids: Tensor) -> Tensor:
-        """``x`` (B, H, T, D) rotated for ``position_ids`` (B or 1, T)."""
-        cos = self.cos[position_ids].to(x.dtype)[:, None]  # (B, 1, T, D)
-        sin = self.sin[position_ids].to(x.dtype)[:, None]
-        first, second = x.chunk(2, dim=-1)
-        return x * cos + torch.cat([-second, first], dim=-1) * sin
+        """``x`` (B, T, H, D) rotated for ``position_ids`` (B or 1, T)."""
+        cos = self.cos[position_ids].to(x.dtype)[:, :, None]  # (B, T, 1, D)
+        sin = self.signed_sin[position_ids].to(x.dtype)[:, :, None]
+        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 class LlamaAttention(nn.Module):
@@ -52,13 +52,15 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.n_embd, config.n_embd + 2 * config.kv_width, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
 
-    def heads(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """The fused projection's output (B, T, W + 2 W_kv) as q (B, H, T, D) and k, v (B, H_kv, T, D)."""
+    def heads(self, qkv: Tensor, rotate: RotaryEmbedding, position_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The fused projection's output (B, T, W + 2 W_kv) as q (B, H, T, D) and k, v (B, H_kv, T, D): views of ``qkv``,
+        whose queries and keys are rotated for ``position_ids`` in place, together (one rotation over all their heads),
+        so all three share one layout."""
         batch, length, _ = qkv.shape
-        q, k, v = qkv.split([self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=2)
-        return (q.view(batch, length, self.n_head, self.head_dim).transpose(1, 2),
-                k.view(batch, length, self.n_kv_head, self.head_dim).transpose(1, 2),
-                v.view(batch, length, self.n_kv_head, self.head_dim).transpose(1, 2))
+        query_key = qkv[..., : (self.n_head + self.n_kv_head) * self.head_dim].view(batch, length, -1, self.head_dim)
+        query_key.copy_(rotate(query_key, position_ids))
+        q, k, v = qkv.view(batch, length, -1, self.head_dim).split([self.n_head, self.n_kv_head, self.n_kv_head], dim=2)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
 
 class LlamaMLP(nn.Module):
@@ -83,9 +85,7 @@ class LlamaBlock(nn.Module):
 
     def attention_inputs(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The half before attention: RMSNorm, the fused projection, then queries and keys rotated."""
-        q, k, v = self.self_attn.heads(self.self_attn.qkv_proj(self.input_layernorm(x)))
-        rotate = self._rotary[0]
-        return rotate(q, position_ids), rotate(k, position_ids), v
+        return self.self_attn.heads(self.self_attn.qkv_proj(self.input_layernorm(x)), self._rotary[0], position_ids)
 
     def after_attention(self, x: Tensor, y: Tensor) -> Tensor:
         """The half after it: attention's output ``y`` (B, H, T, D) projected and added to ``x``, then the MLP's residual."""

@@ -21,6 +21,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from chapters.ch03_dynamic_batching.batched_generation import batched_greedy, generate_batch
@@ -219,6 +220,24 @@ def test_bf16_never_used_computes_exactly_as_fp32(llama: DecoderModel) -> None:
     assert torch.equal(module(ids), llama(ids))
 
 
+def test_the_output_layer_multiplies_in_bf16_from_min_rows_and_exactly_below(llama: DecoderModel) -> None:
+    """The logits of a call of at least ``min_rows`` rows are the bf16 product of the final norm's output with the
+    (tied) embedding; below it, fp32's to the bit. A deep copy's head is its own (the copy's norm and layer)."""
+    module = with_bf16_matmuls(copy.deepcopy(llama), min_rows=16)
+    hidden = torch.randn(1, 16, llama.config.n_embd, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        normed = llama.norm(hidden)
+        bf16 = F.linear(normed.bfloat16(), llama.embed_tokens.weight.bfloat16()).float()
+        assert torch.equal(module.head(hidden[:, :15]), llama.head(hidden[:, :15]))
+        logits = module.head(hidden)
+        torch.testing.assert_close(logits, bf16, atol=0.05, rtol=0.02)
+        assert not torch.equal(logits, llama.head(hidden))
+        copied = copy.deepcopy(module)
+        assert copied.head.__self__ is copied and copied.bf16_output_layer is not module.bf16_output_layer
+        copied.norm.weight.mul_(2)
+        assert not torch.equal(copied.head(hidden), logits)
+
+
 @pytest.mark.parametrize("min_rows, fp32_kept, bf16_kept", [(1, False, True), (8, True, True), (NEVER, True, False)])
 def test_a_bf16_layer_keeps_only_the_weights_its_calls_read(llama: DecoderModel, min_rows: int, fp32_kept: bool,
                                                              bf16_kept: bool) -> None:
@@ -263,7 +282,7 @@ def test_the_gated_mlp_is_exact_below_its_threshold_and_bf16_above(llama: Decode
 def test_the_bf16_engine_on_a_llama_measures_its_crossover_on_the_gate_up_product(llama: DecoderModel) -> None:
     engine = build_eager(llama, "bf16")
     assert engine.dtype == torch.float32 and engine.conversion.notes[0].startswith("bf16 matmuls ")
-    assert sum(isinstance(m, Bf16MatmulLinear) for m in engine.module.modules()) == 4 * llama.config.n_layer
+    assert sum(isinstance(m, Bf16MatmulLinear) for m in engine.module.modules()) == 4 * llama.config.n_layer + 1  # the output layer
 
 
 def test_bf16_tokens_agree_with_fp32(llama: DecoderModel, fp32_continuations: list[list[int]]) -> None:

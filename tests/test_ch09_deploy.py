@@ -261,7 +261,7 @@ def test_every_pod_template_and_object_is_valid_kubernetes() -> None:
 
     cluster = _manifest()["spec"]["rayClusterConfig"]
     templates = [cluster["headGroupSpec"]["template"], *(group["template"] for group in cluster["workerGroupSpecs"])]
-    for template in templates:  # RayService's own schema is KubeRay's CRD, not shipped here: its pod templates are Kubernetes'
+    for template in templates:  # each pod template is a Pod's spec too: Kubernetes' own schema checks it as one
         pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "template", **template.get("metadata", {})}, "spec": template["spec"]}
         kubernetes_validate.validate(pod, "1.30", strict=True)
     for item in _objects():
@@ -301,3 +301,88 @@ def test_every_ray_pod_has_a_dev_shm_that_holds_its_object_store() -> None:
         assert int(group["rayStartParams"]["object-store-memory"]) <= _bytes(shm["sizeLimit"])  # else Ray falls back to /tmp
         limits = spec["containers"][0]["resources"]["limits"]
         assert _bytes(shm["sizeLimit"]) < _bytes(limits["memory"])  # tmpfs pages count against the pod's memory
+
+
+# KubeRay's RayService CRD (v1), as tests/schemas/README.md says where it came from.
+KUBERAY_SCHEMA = ROOT / "tests" / "schemas" / "kuberay-1.7.0-rayservice-v1.json.gz"
+
+
+def _strict(schema: dict) -> dict:
+    """``schema`` as the API server's strict field validation (kubectl's default) applies it: an object refuses
+    fields its schema does not name, except where the schema says ``x-kubernetes-preserve-unknown-fields``."""
+    schema = dict(schema)
+    if "properties" in schema:
+        schema["properties"] = {name: _strict(child) for name, child in schema["properties"].items()}
+        if "additionalProperties" not in schema and not schema.get("x-kubernetes-preserve-unknown-fields"):
+            schema["additionalProperties"] = False
+    for keyword in ("items", "additionalProperties", "not"):
+        if isinstance(schema.get(keyword), dict):
+            schema[keyword] = _strict(schema[keyword])
+    for keyword in ("allOf", "anyOf", "oneOf"):
+        if keyword in schema:
+            schema[keyword] = [_strict(child) for child in schema[keyword]]
+    return schema
+
+
+def _defaulted(document: object, schema: dict) -> object:
+    """``document`` with the schema's defaults filled in where a field is absent, as the API server fills them
+    before it validates (so a required field with a default may be left out)."""
+    if isinstance(document, dict) and "properties" in schema:
+        filled = {name: json.loads(json.dumps(child["default"])) for name, child in schema["properties"].items()
+                  if name not in document and "default" in child}
+        return {**filled, **{name: _defaulted(value, schema["properties"].get(name, {})) for name, value in document.items()}}
+    if isinstance(document, list) and isinstance(schema.get("items"), dict):
+        return [_defaulted(item, schema["items"]) for item in document]
+    return document
+
+
+def _crd_errors(document: dict) -> list[str]:
+    import gzip
+
+    import jsonschema
+
+    schema = json.loads(gzip.decompress(KUBERAY_SCHEMA.read_bytes()))
+    validator = jsonschema.Draft7Validator(_strict(schema))
+    errors = validator.iter_errors(_defaulted(document, schema))
+    return [f"{'.'.join(map(str, error.absolute_path))}: {error.message}" for error in errors]
+
+
+def test_the_rayservice_is_valid_against_kuberays_crd_schema() -> None:
+    manifest = _manifest()
+    assert (manifest["apiVersion"], manifest["kind"]) == ("ray.io/v1", "RayService")
+    assert _crd_errors(manifest) == []
+    misspelled = json.loads(json.dumps(manifest))
+    misspelled["spec"]["serveConfigv2"] = misspelled["spec"].pop("serveConfigV2")
+    misspelled["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]["num-cpus"] = 0  # a string map
+    assert len(_crd_errors(misspelled)) == 2  # the check refuses what the API server would
+
+
+def _make_image(tmp_path: Path, engine: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["make", "-s", "image", f"CONTAINER={engine}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+def _fake_engine(tmp_path: Path, info_status: int) -> Path:
+    """A container engine's stand-in: ``info`` exits with ``info_status``; any other call writes its arguments."""
+    engine = tmp_path / "engine"
+    engine.write_text(f'#!/bin/sh\n[ "$1" = info ] && exit {info_status}\necho "$@" >> {tmp_path / "calls"}\n')
+    engine.chmod(0o755)
+    return engine
+
+
+def test_make_image_refuses_in_one_line_without_an_engine_that_answers(tmp_path) -> None:
+    missing = _make_image(tmp_path, str(tmp_path / "no-such-engine"))
+    silent = _make_image(tmp_path, str(_fake_engine(tmp_path, info_status=1)))
+    for done in (missing, silent):
+        said = [line for line in done.stderr.splitlines() if not line.startswith("make: ***")]  # make's own status line
+        assert done.returncode != 0 and done.stdout == "" and len(said) == 1, done
+        assert "CONTAINER=" in done.stderr
+    assert "needs a container engine" in missing.stderr and "does not answer" in silent.stderr
+    assert not (tmp_path / "calls").exists()  # nothing was built
+
+
+def test_make_image_builds_the_chapters_dockerfile_under_the_manifests_name(tmp_path) -> None:
+    done = _make_image(tmp_path, str(_fake_engine(tmp_path, info_status=0)))
+    assert done.returncode == 0, done.stderr
+    (call,) = (tmp_path / "calls").read_text().splitlines()
+    image = _manifest()["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]["image"]
+    assert call.split() == ["build", "-f", "chapters/ch09_scale_out/Dockerfile", "-t", image, "."]

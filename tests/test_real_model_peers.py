@@ -158,3 +158,25 @@ def test_the_block_says_not_measured_until_a_file_exists_then_gives_chapter_8_ov
     from benchmarks.report.readme_blocks import render_key
 
     assert render_key("real-model-peers", {}, tmp_path, Path("README.md"), "cpu") == text
+
+
+def test_both_engine_loops_draw_the_same_prompts_and_the_block_divides_the_medians(tmp_path: Path) -> None:
+    from itertools import islice
+
+    from benchmarks.report.peer_blocks import REAL_MODEL_ENGINE_LOOPS, real_model_engine_loops_block
+    from benchmarks.studies.real_model_peers import engine_loops
+
+    first, again = list(islice(engine_loops.requests(), 50)), list(islice(engine_loops.requests(), 50))
+    assert first == again and {len(p) for p in first} <= set(engine_loops.PROMPT_LENGTHS) and len({len(p) for p in first}) > 1
+    assert "Not measured yet" in real_model_engine_loops_block(tmp_path)
+
+    def run(engine: str, rate: float) -> dict:
+        return {"engine": engine, "label": engine, "requests_per_s": rate, "tokens_per_s": rate * 90}
+
+    runs = {"ch08": [run("ch08", r) for r in (10.0, 12.0, 11.0)], "vllm": [run("vllm", r) for r in (20.0, 22.0, 21.0)]}
+    document = {"runs": runs, "ch08_over_vllm": 11.0 / 21.0, "ch08_over_vllm_each_round": [0.5, 12 / 22, 11 / 21],
+                "seconds": 30, "server_cores": [0], "running": 64, "new_tokens": 32, "prompt_lengths": [16, 32], "command": "c"}
+    (tmp_path / REAL_MODEL_ENGINE_LOOPS).parent.mkdir(parents=True)
+    (tmp_path / REAL_MODEL_ENGINE_LOOPS).write_text(json.dumps(document))
+    block = real_model_engine_loops_block(tmp_path)
+    assert "| ch08 | 11.00 | 990 | — |" in block and "| vllm | 21.00 | 1,890 | 0.52× (0.50, 0.55, 0.52) |" in block

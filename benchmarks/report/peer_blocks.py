@@ -137,3 +137,26 @@ def _real_model_how(runs: list[dict], folder: Path) -> str:
             "(`/v1/completions`, `/v1/chat/completions` for `chat`) but the `/v1/inference` rows: chapter 8's own route, "
             f"the same prompts, in the same server start as its row above. Reproduce: {commands}. Servers: {started}. "
             f"How they ran: {settings}. Commits: {commits}.")
+
+
+REAL_MODEL_ENGINE_LOOPS = "real-model-peers/engine-loops.json"
+
+
+def real_model_engine_loops_block(directory: Path) -> str:
+    """Chapter 8's engine and vLLM's, each in its own closed loop with no HTTP (``engine_loops compare``): requests and
+    tokens per second of the median round, chapter 8's over vLLM's (the ratio of medians, then round by round)."""
+    path = directory / REAL_MODEL_ENGINE_LOOPS
+    if not path.exists():
+        return ("*Not measured yet: `python -m benchmarks.studies.real_model_peers.engine_loops compare --rounds 3 "
+                f"--seconds 30 --out {repo_path(path)}` records it.*")
+    document = json.loads(path.read_text())
+    lines = ["| engine | requests/s | tokens computed/s | ch08 / it (each round) |", "|---|---|---|---|"]
+    for engine, runs in document["runs"].items():
+        median = sorted(runs, key=lambda run: run["requests_per_s"])[len(runs) // 2]
+        ratio = "—" if engine == "ch08" else (f"{document['ch08_over_vllm']:.2f}× ("
+                                              + ", ".join(f"{r:.2f}" for r in document["ch08_over_vllm_each_round"]) + ")")
+        lines.append(f"| {median['label']} | {median['requests_per_s']:.2f} | {median['tokens_per_s']:,.0f} | {ratio} |")
+    return ("\n".join(lines) + f"\n\nFrom `{repo_path(path)}`: {len(document['runs']['ch08'])} rounds of "
+            f"{document['seconds']:g} s each, the engines in turns, each in a fresh process pinned to core(s) "
+            f"{document['server_cores']}; {document['running']} requests running, {document['new_tokens']} new tokens, "
+            f"prompts of {'/'.join(map(str, document['prompt_lengths']))} random ids. Reproduce: `{document['command']}`.")

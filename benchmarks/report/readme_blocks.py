@@ -34,7 +34,7 @@ from benchmarks.report.climb_blocks import (
     previous_result,
     two_models_block,
 )
-from benchmarks.report.peer_blocks import real_model_peers_block, vllm_peer_block
+from benchmarks.report.peer_blocks import real_model_engine_loops_block, real_model_peers_block, vllm_peer_block
 from benchmarks.report.scale_out_blocks import (
     autoscale_block,
     ceilings_block,
@@ -97,6 +97,8 @@ def render_key(key: str, results: Mapping[str, BenchmarkResult], directory: Path
         return replicas_block(directory, f"{key.removeprefix('ch09-')}.json", against=None)
     if key == "real-model-peers":
         return real_model_peers_block(directory)
+    if key == "real-model-engine-loops":
+        return real_model_engine_loops_block(directory)
     if key.startswith("vllm-peer"):  # vllm-peer, vllm-peer-avx512: one folder of files per kind of core
         return vllm_peer_block(directory, key)
     if key.startswith("side-by-side"):  # side-by-side, side-by-side-avx2: one folder of rounds per machine

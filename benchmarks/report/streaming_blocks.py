@@ -332,6 +332,7 @@ def _real_model_peer_target_rows(directory: Path) -> list[str]:
 
     folder = directory / REAL_MODEL_PEERS_DIR
     runs = [json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))] if folder.is_dir() else []
+    runs = [run for run in runs if run.get("kind") == "real-model-peers"]
     rows = []
     for label, (name, bound) in REAL_MODEL_PEER_TARGETS.items():
         for run in sorted(runs, key=lambda run: (run["workload"] != "default", run["workload"], run["answers"] != "whole")):

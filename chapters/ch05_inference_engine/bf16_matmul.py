@@ -1,7 +1,7 @@
 """bf16 matrix products on the CPU from the row count where they beat fp32, measured once at start-up.
 
-A block's linear layers (:data:`BLOCK_LINEARS`) take and give fp32; the norms, attention and the KV cache stay fp32, and
-only the MLP's hidden activation stays bf16 between its two products."""
+A block's linear layers (:data:`BLOCK_LINEARS`) and the output layer take and give fp32; the embedding, the norms,
+attention and the KV cache stay fp32, and only the MLP's hidden activation stays bf16 between its two products."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import functools
 import time
 from dataclasses import dataclass
 from functools import partial
+from types import MethodType
 
 import torch
 import torch.nn.functional as F
@@ -101,12 +102,14 @@ class BlockLinears:
     mlp: str  # the MLP, replaced whole by ``bf16_mlp``
     bf16_mlp: type[nn.Module]  # built as ``bf16_mlp(mlp, min_rows)``
     widest: str  # the layer the crossover is measured on: the MLP's first product, the widest
+    final_norm: str  # the model's norm before its output layer (a model attribute)
 
 
 BLOCK_LINEARS: dict[str, BlockLinears] = {
-    "gpt2": BlockLinears(attention=("attn.c_attn", "attn.c_proj"), mlp="mlp", bf16_mlp=Bf16MLP, widest="mlp.c_fc"),
+    "gpt2": BlockLinears(attention=("attn.c_attn", "attn.c_proj"), mlp="mlp", bf16_mlp=Bf16MLP, widest="mlp.c_fc",
+                         final_norm="ln_f"),
     "llama": BlockLinears(attention=("self_attn.qkv_proj", "self_attn.o_proj"), mlp="mlp", bf16_mlp=Bf16GatedMLP,
-                          widest="mlp.gate_up_proj"),
+                          widest="mlp.gate_up_proj", final_norm="norm"),
 }
 
 
@@ -222,10 +225,23 @@ def _median_us(call, repeats: int) -> float:
     return sorted(samples)[len(samples) // 2]
 
 
+def output_layer(model: DecoderModel) -> nn.Linear:
+    """``model``'s output layer as a linear layer: its own, or one that reads the tied embedding's weight (no copy)."""
+    weight = model.embedding.weight if getattr(model, "lm_head", None) is None else model.lm_head.weight
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    return linear
+
+
+def _bf16_head(model: DecoderModel, x: Tensor) -> Tensor:
+    """:meth:`DecoderModel.head` through ``model.bf16_output_layer``: the final norm, then the output layer."""
+    return model.bf16_output_layer(getattr(model, BLOCK_LINEARS[model.config.family].final_norm)(x))
+
+
 def with_bf16_matmuls(model: DecoderModel, min_rows: int | None = None) -> DecoderModel:
-    """``model`` (changed in place) with its blocks' linear layers multiplying in bf16 from ``min_rows`` rows
-    (:data:`BLOCK_LINEARS`); ``None`` measures it on the widest layer (:data:`NEVER` where bf16 never wins). Records
-    ``{"min_rows", "timings_us"}`` as ``model.bf16_tuning``; the embedding and the output layer stay fp32."""
+    """``model`` (changed in place) with its blocks' linear layers (:data:`BLOCK_LINEARS`) and its output layer
+    multiplying in bf16 from ``min_rows`` rows; ``None`` measures it on the widest block layer (:data:`NEVER` where bf16
+    never wins). Records ``{"min_rows", "timings_us"}`` as ``model.bf16_tuning``; the embedding stays fp32."""
     linears = BLOCK_LINEARS[model.config.family]
     timings: dict[int, tuple[float, float]] = {}
     if min_rows is None:
@@ -235,5 +251,7 @@ def with_bf16_matmuls(model: DecoderModel, min_rows: int | None = None) -> Decod
         for path in linears.attention:
             block.set_submodule(path, Bf16MatmulLinear(block.get_submodule(path), min_rows))
         block.set_submodule(linears.mlp, linears.bf16_mlp(block.get_submodule(linears.mlp), min_rows))
+    model.bf16_output_layer = Bf16MatmulLinear(output_layer(model), min_rows)
+    model.head = MethodType(_bf16_head, model)  # the instance's own: a deep copy binds it to the copy
     model.bf16_tuning = {"min_rows": min_rows, "timings_us": timings}
     return model.eval()

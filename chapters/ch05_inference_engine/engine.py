@@ -145,7 +145,7 @@ def build_eager(model: DecoderModel, precision: str) -> TorchModuleEngine:
     if tuning:
         measured = ", ".join(f"{rows}: {fp32:.0f}/{bf16:.0f}" for rows, (fp32, bf16) in tuning["timings_us"].items())
         start = f"from {tuning['min_rows']} rows" if tuning["min_rows"] < NEVER else "never (bf16 lost at every size measured)"
-        notes = [(f"bf16 matmuls {start}, fp32 below and everywhere else "
+        notes = [(f"bf16 matmuls (the blocks' and the output layer's) {start}, fp32 below and everywhere else "
                   f"(rows: fp32/bf16 microseconds on the widest layer: {measured})")]
     report = ConversionReport(seconds=time.perf_counter() - started, notes=notes)
     return TorchModuleEngine("eager", precision, converted, model.config, model.device,

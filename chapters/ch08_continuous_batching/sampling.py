@@ -101,7 +101,7 @@ def draw(probs: Tensor, generators: Sequence[torch.Generator]) -> list[int]:
 def sample_tokens(logits: Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
                   ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """Row ``i``'s next token by ``params[i]``, drawing from ``generators[i]`` (None: greedy), and its logprobs where asked."""
-    tokens = logits.argmax(dim=-1).tolist()
+    tokens = logits.max(dim=-1).indices.tolist()  # argmax's first maximum too; the CPU's argmax is not vectorized
     logprobs: list[TokenLogprobs | None] = [None] * len(params)
     if all(p.greedy and p.logprobs is None for p in params):
         return tokens, logprobs  # the common case: one argmax for the whole step

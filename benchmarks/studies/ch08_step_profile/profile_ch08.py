@@ -81,32 +81,17 @@ class ClosedLoop:
         return finished, time.perf_counter() - started, list(self.engine.clock.recent)[-steps:]
 
 
-def bf16_output_layer(model) -> None:
-    """This study's trial, not a chapter's rule: the output layer multiplied in bf16 as chapter 5 multiplies the
-    blocks' layers (vLLM and llama.cpp compute logits at the weights' precision), its logits still fp32 for the
-    argmax. Chapter 5 keeps the output layer fp32; this measures what that costs a step."""
-    from chapters.ch05_inference_engine.bf16_matmul import _bf16_linear, onednn_layout
-
-    norm = model.norm if hasattr(model, "norm") else model.ln_f
-    weight = model.embedding.weight if getattr(model, "lm_head", None) is None else model.lm_head.weight
-    laid_out = onednn_layout(weight.detach().to(torch.bfloat16))
-    model.head = lambda x: _bf16_linear(norm(x), laid_out, None)
-
-
 def closed_loop(attention: str, precision: str, workload: str, kv_cache: str = "auto", temperature: float = 0.0,
-                prefix_caching: str | None = None, block_tokens: int | None = None, weights: str = "default",
-                output_layer: str = "fp32") -> ClosedLoop:
+                prefix_caching: str | None = None, block_tokens: int | None = None, weights: str = "default") -> ClosedLoop:
     """The loop, warmed up (``WARM_UP_STEPS``); every run of it draws the same prompts. ``prefix_caching``:
     on or off; ``block_tokens``: the pool's block (None for either: the server's default); ``weights``: as
-    the servers' ``--weights``; ``output_layer``: ``bf16`` for :func:`bf16_output_layer`'s trial."""
+    the servers' ``--weights``."""
     torch.set_num_threads(1)
     loaded = load_model(weights)
     overrides = {"prefix_caching": prefix_caching, "block_tokens": block_tokens}
     settings = ContinuousSettings(**{name: value for name, value in overrides.items() if value is not None})
     step_engine = build_eager(loaded.model, precision)
     model = packed_model(step_engine)
-    if output_layer == "bf16":
-        bf16_output_layer(model)
     kv_dtype = kv_cache_dtype(kv_cache, multiplies_in_bf16(step_engine), step_engine.dtype)
     pool = KVMemoryPool(loaded.config, 512 * 64 * 2, block_tokens=settings.block_tokens, dtype=kv_dtype)
     store = PagedKVStore(pool, prefix_caching=settings.prefix_caching == "on")  # as the server runs by default
@@ -132,10 +117,10 @@ def closed_loop(attention: str, precision: str, workload: str, kv_cache: str = "
 
 
 def profile(steps: int, attention: str, precision: str, workload: str, kv_cache: str = "auto", temperature: float = 0.0,
-            block_tokens: int | None = None, weights: str = "default", output_layer: str = "fp32") -> str:
-    """The step split and the cProfile report of ``steps`` engine steps, after a warm-up."""
-    loop = closed_loop(attention, precision, workload, kv_cache, temperature, block_tokens=block_tokens, weights=weights,
-                       output_layer=output_layer)
+            block_tokens: int | None = None, weights: str = "default", profiler: str = "cprofile") -> str:
+    """The step split and the report of ``steps`` engine steps, after a warm-up: cProfile's by internal time, or
+    (``profiler="torch"``) PyTorch's operator totals by self CPU time, as vLLM's profiler reports them."""
+    loop = closed_loop(attention, precision, workload, kv_cache, temperature, block_tokens=block_tokens, weights=weights)
     finished, elapsed, records = loop.timed(steps)
     phases = {phase: statistics.median(getattr(r, f"{phase}_ms") for r in records) for phase in loop.engine.clock.PHASES}
     step_ms = sum(phases.values())
@@ -149,12 +134,16 @@ def profile(steps: int, attention: str, precision: str, workload: str, kv_cache:
         f"schedule + prepare + update = {(step_ms - phases['model']) / step_ms:.1%} of the median step\n"
         f"CPU: {cpu_description()}\n"
     )
-    profiler = cProfile.Profile()
-    profiler.enable()
+    if profiler == "torch":
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as operators:
+            loop.turn(steps)
+        return head + operators.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+    python = cProfile.Profile()
+    python.enable()
     loop.turn(steps)
-    profiler.disable()
+    python.disable()
     report = io.StringIO()
-    pstats.Stats(profiler, stream=report).sort_stats("tottime").print_stats(25)
+    pstats.Stats(python, stream=report).sort_stats("tottime").print_stats(25)
     return head + report.getvalue()
 
 
@@ -207,7 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None, help="with --sampling-rounds: write the JSON here")
     parser.add_argument("--prefix-caching-rounds", type=int, default=0, help="measure prefix caching on against off, this many rounds")
     parser.add_argument("--weights", default="default", help="the model, as the servers' --weights (smollm2: the real model)")
-    parser.add_argument("--output-layer", default="fp32", choices=("fp32", "bf16"), help="bf16: the study's trial of a bf16 output layer")
+    parser.add_argument("--profiler", default="cprofile", choices=("cprofile", "torch"),
+                        help="torch: PyTorch's operator totals (as vLLM's profiler reports them) instead of cProfile's")
     args = parser.parse_args(argv)
     if args.prefix_caching_rounds:
         print(prefix_caching_rounds(args.prefix_caching_rounds, args.steps, args.attention, args.precision, args.workload))
@@ -221,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         print(text)
         return
     print(profile(args.steps, args.attention, args.precision, args.workload, args.kv_cache_dtype, args.temperature or 0.0,
-                  args.block_tokens, args.weights, args.output_layer))
+                  args.block_tokens, args.weights, args.profiler))
 
 
 if __name__ == "__main__":

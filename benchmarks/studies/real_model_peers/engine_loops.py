@@ -1,0 +1,177 @@
+"""Chapter 8's engine against vLLM's, each in its own loop with no HTTP: which server's arithmetic is faster, and where each
+step goes (PyTorch's profiler over both, the operator totals vLLM's own profiler reports).
+
+Both loops keep 64 sequences running and replace each one that finishes at once (``profile_ch08``'s closed loop; vLLM's
+``LLMEngine.add_request`` and ``step``), from the same seeded requests: the ``default`` workload's random ids, prompts of
+16, 32, 64 or 128 tokens, 32 new tokens, greedy (vLLM told to ignore the end of sequence, as chapter 8's completions do).
+Each loop is warmed up (:data:`WARM_UP_FINISHED` requests), then timed over ``--seconds``; chapter 8 at its served
+settings for the real model (``--precision bf16``, the start-up rule's attention), vLLM at its CPU defaults in bfloat16.
+One process per run, pinned to the server's core (``VLLM_CPU_OMP_THREADS_BIND`` for vLLM, one torch thread for
+chapter 8)::
+
+    python -m benchmarks.studies.real_model_peers.engine_loops compare --rounds 3 --seconds 30 \\
+        --out benchmarks/reference/cpu/real-model-peers/engine-loops.json
+    python -m benchmarks.studies.real_model_peers.engine_loops run ch08 --profile benchmarks/studies/real_model_peers/profile-ch08.txt
+    python -m benchmarks.studies.real_model_peers.engine_loops run vllm --profile benchmarks/studies/real_model_peers/profile-vllm.txt
+
+``run`` prints one JSON line; ``compare`` runs the two in turns (reversed every other round) and keeps every round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+HF_DIR = REPO_ROOT / ".cache" / "real-model-peers" / "smollm2-hf"
+RUNNING = 64
+PROMPT_LENGTHS = (16, 32, 64, 128)
+NEW_TOKENS = 32
+WARM_UP_FINISHED = 128
+SERVER_CORES = [0]
+ENGINES = ("ch08", "vllm")
+
+
+def requests(seed: int = 0, vocab: int = 256) -> Iterator[list[int]]:
+    """The loops' prompts, endless and the same for both engines."""
+    rng = random.Random(seed)
+    while True:
+        yield [rng.randrange(vocab) for _ in range(rng.choice(PROMPT_LENGTHS))]
+
+
+def closed_loop(step: Callable[[], int], add: Callable[[list[int]], None], seconds: float, profile: Path | None,
+                table: Callable[[object], str]) -> dict:
+    """Keep RUNNING requests in flight (``add`` one, ``step`` returns how many finished), warm up, then time ``seconds``."""
+    prompts = requests()
+    for _ in range(RUNNING):
+        add(next(prompts))
+
+    def turn_until(stop: Callable[[int, float], bool]) -> tuple[int, int, float]:
+        finished, tokens, started = 0, 0, time.perf_counter()
+        while not stop(finished, time.perf_counter() - started):
+            done = step()
+            finished += done
+            for _ in range(done):
+                prompt = next(prompts)
+                tokens += len(prompt) + NEW_TOKENS
+                add(prompt)
+        return finished, tokens, time.perf_counter() - started
+
+    turn_until(lambda finished, _: finished >= WARM_UP_FINISHED)
+    finished, tokens, elapsed = turn_until(lambda _, elapsed: elapsed >= seconds)
+    record = {"finished": finished, "seconds": round(elapsed, 3), "requests_per_s": round(finished / elapsed, 3),
+              "tokens_per_s": round(tokens / elapsed, 1)}
+    if profile is not None:
+        import torch
+
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as operators:
+            profiled = turn_until(lambda _, elapsed: elapsed >= seconds)
+        profile.write_text(f"{json.dumps(record)}\n(profiled: {profiled[0]} requests in {profiled[2]:.1f} s)\n"
+                           + table(operators) + "\n")
+    return record
+
+
+def _table(operators) -> str:
+    return operators.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+
+
+def run_ch08(seconds: float, profile: Path | None) -> dict:
+    import torch
+
+    from benchmarks.studies.ch08_step_profile.profile_ch08 import closed_loop as ch08_loop
+    from chapters.ch08_continuous_batching.sampling import GREEDY
+    from chapters.ch08_continuous_batching.scheduler import Sequence
+
+    loop = ch08_loop("auto", "bf16", "default", weights="smollm2")  # built and warmed up on its own requests
+    scheduler = loop.engine.scheduler
+    while scheduler.running or scheduler.waiting:  # drained, so both loops start from RUNNING of the same requests
+        loop.engine.step()
+
+    def step() -> int:
+        before = scheduler.stats.finished
+        loop.engine.step()
+        return scheduler.stats.finished - before
+
+    record = closed_loop(step, lambda prompt: scheduler.add(Sequence(prompt, NEW_TOKENS, sampling=GREEDY)), seconds,
+                         profile, _table)
+    return {"engine": "ch08", "label": loop.label, "torch": torch.__version__, **record}
+
+
+def run_vllm(seconds: float, profile: Path | None) -> dict:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process, for the profiler
+    import vllm
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    llm = LLM(model=str(HF_DIR), dtype="bfloat16", max_model_len=512, max_num_seqs=RUNNING, seed=0)
+    engine, params, ids = llm.llm_engine, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True), iter(range(10**9))
+
+    def step() -> int:
+        return sum(output.finished for output in engine.step())
+
+    record = closed_loop(step, lambda prompt: engine.add_request(str(next(ids)), TokensPrompt(prompt_token_ids=prompt), params),
+                         seconds, profile, _table)
+    return {"engine": "vllm", "label": f"vLLM {vllm.__version__} CPU, bfloat16, max_num_seqs {RUNNING}, max_model_len 512",
+            **record}
+
+
+def _command(engine: str, seconds: float) -> list[str]:
+    python = str(VLLM_PYTHON) if engine == "vllm" else sys.executable
+    return ["taskset", "-c", ",".join(map(str, SERVER_CORES)), python, "-m", "benchmarks.studies.real_model_peers.engine_loops",
+            "run", engine, "--seconds", str(seconds)]
+
+
+def _environment(engine: str) -> dict[str, str]:
+    if engine == "vllm":
+        return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, SERVER_CORES)), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    return {"OMP_NUM_THREADS": "1"}
+
+
+def compare(rounds: int, seconds: float, command: str) -> dict:
+    runs: dict[str, list[dict]] = {engine: [] for engine in ENGINES}
+    for index in range(rounds):
+        for engine in ENGINES if index % 2 == 0 else ENGINES[::-1]:
+            done = subprocess.run(_command(engine, seconds), cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800,
+                                  env={**os.environ, **_environment(engine)}, check=True)
+            runs[engine].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(f"round {index + 1}/{rounds} {engine}: {runs[engine][-1]['requests_per_s']:.2f} req/s", file=sys.stderr)
+    medians = {engine: statistics.median(r["requests_per_s"] for r in rows) for engine, rows in runs.items()}
+    return {"kind": "engine-loops", "command": command, "running": RUNNING, "new_tokens": NEW_TOKENS,
+            "prompt_lengths": list(PROMPT_LENGTHS), "seconds": seconds, "server_cores": SERVER_CORES,
+            "environments": {engine: _environment(engine) for engine in ENGINES}, "runs": runs,
+            "median_requests_per_s": medians, "ch08_over_vllm": round(medians["ch08"] / medians["vllm"], 3),
+            "ch08_over_vllm_each_round": [round(a["requests_per_s"] / b["requests_per_s"], 3)
+                                          for a, b in zip(runs["ch08"], runs["vllm"])]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.studies.real_model_peers.engine_loops", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="one engine's loop, in this interpreter")
+    run.add_argument("engine", choices=ENGINES)
+    run.add_argument("--seconds", type=float, default=30.0)
+    run.add_argument("--profile", type=Path, default=None, help="then profile as long again and write the operator table here")
+    both = commands.add_parser("compare", help="both engines in turns, each in its own pinned process")
+    both.add_argument("--rounds", type=int, default=3)
+    both.add_argument("--seconds", type=float, default=30.0)
+    both.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        print(json.dumps((run_vllm if args.engine == "vllm" else run_ch08)(args.seconds, args.profile)))
+        return
+    document = compare(args.rounds, args.seconds, f"python -m benchmarks.studies.real_model_peers.engine_loops compare "
+                                                  f"--rounds {args.rounds} --seconds {args.seconds:g} --out {args.out}")
+    args.out.write_text(json.dumps(document, indent=2) + "\n")
+    print(json.dumps(document["median_requests_per_s"]), document["ch08_over_vllm"])
+
+
+if __name__ == "__main__":
+    main()
