@@ -174,9 +174,16 @@ def test_both_engine_loops_draw_the_same_prompts_and_the_block_divides_the_media
         return {"engine": engine, "label": engine, "requests_per_s": rate, "tokens_per_s": rate * 90}
 
     runs = {"ch08": [run("ch08", r) for r in (10.0, 12.0, 11.0)], "vllm": [run("vllm", r) for r in (20.0, 22.0, 21.0)]}
-    document = {"runs": runs, "ch08_over_vllm": 11.0 / 21.0, "ch08_over_vllm_each_round": [0.5, 12 / 22, 11 / 21],
-                "seconds": 30, "server_cores": [0], "running": 64, "new_tokens": 32, "prompt_lengths": [16, 32], "command": "c"}
+    document = {"runs": runs, "over_vllm": {"ch08": 11.0 / 21.0}, "over_vllm_each_round": {"ch08": [0.5, 12 / 22, 11 / 21]},
+                "cpu": "Xeon, AVX512", "dtype": "bf16", "seconds": 30, "server_cores": [0], "running": 64, "new_tokens": 32,
+                "prompt_lengths": [16, 32], "command": "c"}
     (tmp_path / REAL_MODEL_ENGINE_LOOPS).parent.mkdir(parents=True)
     (tmp_path / REAL_MODEL_ENGINE_LOOPS).write_text(json.dumps(document))
+    avx2 = {**document, "cpu": "EPYC, AVX2", "dtype": "fp32", "runs": {"vllm": runs["vllm"], "ch08-compiled": runs["ch08"]},
+            "over_vllm": {"ch08-compiled": 2.0}, "over_vllm_each_round": {"ch08-compiled": [2.0, 2.5, 1.5]}}
+    (tmp_path / REAL_MODEL_ENGINE_LOOPS).with_name("engine-loops-avx2.json").write_text(json.dumps(avx2))
     block = real_model_engine_loops_block(tmp_path)
-    assert "| ch08 | 11.00 | 990 | — |" in block and "| vllm | 21.00 | 1,890 | 0.52× (0.50, 0.55, 0.52) |" in block
+    assert "| ch08 | 11.00 | 990 | 0.52× (0.50, 0.55, 0.52) |" in block and "| vllm | 21.00 | 1,890 | — |" in block
+    intel, epyc = block.split("**Xeon, AVX512, bf16**")[1], block.split("**EPYC, AVX2, fp32**")[1]
+    assert "engine-loops-avx2.json" in epyc.split("**")[0] and "| ch08 | 11.00 | 990 | 2.00× (2.00, 2.50, 1.50) |" in epyc
+    assert block.index("EPYC") > block.index("Xeon") and "engine-loops-avx2" not in intel.split("**")[0]

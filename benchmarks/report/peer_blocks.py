@@ -139,24 +139,31 @@ def _real_model_how(runs: list[dict], folder: Path) -> str:
             f"How they ran: {settings}. Commits: {commits}.")
 
 
-REAL_MODEL_ENGINE_LOOPS = "real-model-peers/engine-loops.json"
+REAL_MODEL_ENGINE_LOOPS = "real-model-peers/engine-loops.json"  # one file per kind of CPU: engine-loops-avx2.json beside it
 
 
 def real_model_engine_loops_block(directory: Path) -> str:
-    """Chapter 8's engine and vLLM's, each in its own closed loop with no HTTP (``engine_loops compare``): requests and
-    tokens per second of the median round, chapter 8's over vLLM's (the ratio of medians, then round by round)."""
-    path = directory / REAL_MODEL_ENGINE_LOOPS
-    if not path.exists():
+    """Chapter 8's engine and vLLM's, each in its own closed loop with no HTTP (``engine_loops compare``), one table per
+    file (CPU): requests and tokens per second of the median round, chapter 8's over vLLM's (the ratio of medians, then
+    round by round)."""
+    first = directory / REAL_MODEL_ENGINE_LOOPS
+    paths = sorted(first.parent.glob(f"{first.stem}*.json"), key=lambda path: (path != first, path.name))
+    if not paths:
         return ("*Not measured yet: `python -m benchmarks.studies.real_model_peers.engine_loops compare --rounds 3 "
-                f"--seconds 30 --out {repo_path(path)}` records it.*")
+                f"--seconds 30 --out {repo_path(first)}` records it.*")
+    return "\n\n".join(_engine_loops_table(path) for path in paths)
+
+
+def _engine_loops_table(path: Path) -> str:
     document = json.loads(path.read_text())
-    lines = ["| engine | requests/s | tokens computed/s | ch08 / it (each round) |", "|---|---|---|---|"]
+    lines = [f"**{document['cpu']}, {document['dtype']}**", "",
+             "| engine | requests/s | tokens computed/s | it / vLLM (each round) |", "|---|---|---|---|"]
     for engine, runs in document["runs"].items():
         median = sorted(runs, key=lambda run: run["requests_per_s"])[len(runs) // 2]
-        ratio = "—" if engine == "ch08" else (f"{document['ch08_over_vllm']:.2f}× ("
-                                              + ", ".join(f"{r:.2f}" for r in document["ch08_over_vllm_each_round"]) + ")")
+        ratio = "—" if engine == "vllm" else (f"{document['over_vllm'][engine]:.2f}× ("
+                                              + ", ".join(f"{r:.2f}" for r in document["over_vllm_each_round"][engine]) + ")")
         lines.append(f"| {median['label']} | {median['requests_per_s']:.2f} | {median['tokens_per_s']:,.0f} | {ratio} |")
-    return ("\n".join(lines) + f"\n\nFrom `{repo_path(path)}`: {len(document['runs']['ch08'])} rounds of "
+    return ("\n".join(lines) + f"\n\nFrom `{repo_path(path)}`: {len(document['runs']['vllm'])} rounds of "
             f"{document['seconds']:g} s each, the engines in turns, each in a fresh process pinned to core(s) "
             f"{document['server_cores']}; {document['running']} requests running, {document['new_tokens']} new tokens, "
             f"prompts of {'/'.join(map(str, document['prompt_lengths']))} random ids. Reproduce: `{document['command']}`.")

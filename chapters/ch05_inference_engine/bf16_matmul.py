@@ -148,16 +148,39 @@ def onednn_layout(weight: Tensor) -> Tensor:
 
 def linear_bf16(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``x @ weight.T + bias`` for bf16 ``x`` (R, K) and a weight from :func:`onednn_layout` (or a plain one), in bf16."""
-    if weight.is_mkldnn:  # only onednn_layout makes one, where this op exists
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if weight.is_mkldnn or (torch.compiler.is_compiling() and _takes_onednn_product(x)):  # a traced weight is never is_mkldnn
+        return onednn_product(x, weight, bias, "none", "")
     return F.linear(x, weight, bias)
+
+
+def onednn_product(x: Tensor, weight: Tensor, bias: Tensor | None, post_op: str, algorithm: str) -> Tensor:
+    """oneDNN's product (``mkldnn._linear_pointwise``) with ``post_op`` fused; under ``torch.compile``, through
+    :func:`compiled_onednn_product`."""
+    if torch.compiler.is_compiling():
+        return compiled_onednn_product(x, weight, bias, post_op, algorithm)
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, post_op, [], algorithm)
+
+
+def _takes_onednn_product(x: Tensor) -> bool:
+    return _onednn_linear() is not None and x.device.type == "cpu" and onednn_takes_bf16()
+
+
+@torch.library.custom_op("serving::onednn_product", mutates_args=())
+def compiled_onednn_product(x: Tensor, weight: Tensor, bias: Tensor | None, post_op: str, algorithm: str) -> Tensor:
+    """oneDNN's product as one operator that ``torch.compile`` calls and never looks into: Inductor lowers oneDNN's
+    products only for weights that are constants of its own graph, and a block's laid-out weight is an input to it."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, post_op, [], algorithm)
+
+
+@compiled_onednn_product.register_fake
+def _compiled_onednn_product_shape(x: Tensor, weight: Tensor, bias: Tensor | None, post_op: str, algorithm: str) -> Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 def linear_gelu_bf16(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``tanh-GELU(x @ weight.T + bias)`` in bf16, one oneDNN call where this torch has the fused op."""
-    fused = _onednn_linear()
-    if fused is not None and x.device.type == "cpu" and onednn_takes_bf16():
-        return fused(x, weight, bias, "gelu", [], "tanh")
+    if weight.is_mkldnn or _takes_onednn_product(x):
+        return onednn_product(x, weight, bias, "gelu", "tanh")
     return F.gelu(F.linear(x, weight, bias), approximate="tanh")
 
 

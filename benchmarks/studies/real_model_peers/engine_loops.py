@@ -5,16 +5,17 @@ Both loops keep 64 sequences running and replace each one that finishes at once 
 ``LLMEngine.add_request`` and ``step``), from the same seeded requests: the ``default`` workload's random ids, prompts of
 16, 32, 64 or 128 tokens, 32 new tokens, greedy (vLLM told to ignore the end of sequence, as chapter 8's completions do).
 Each loop is warmed up (:data:`WARM_UP_FINISHED` requests), then timed over ``--seconds``; chapter 8 at its served
-settings for the real model (``--precision bf16``, the start-up rule's attention), vLLM at its CPU defaults in bfloat16.
-One process per run, pinned to the server's core (``VLLM_CPU_OMP_THREADS_BIND`` for vLLM, one torch thread for
-chapter 8)::
+settings for the real model (the start-up rule's attention; ``ch08-compiled``: its blocks compiled, :mod:`.compiled_blocks`), vLLM at
+its CPU defaults; both at ``--dtype`` (bf16: chapter 8's ``--precision bf16``, vLLM's bfloat16; fp32 where the CPU has
+no bf16 arithmetic and emulates it). One process per run, pinned to the server's core (``VLLM_CPU_OMP_THREADS_BIND``
+for vLLM, one torch thread for chapter 8)::
 
     python -m benchmarks.studies.real_model_peers.engine_loops compare --rounds 3 --seconds 30 \\
         --out benchmarks/reference/cpu/real-model-peers/engine-loops.json
     python -m benchmarks.studies.real_model_peers.engine_loops run ch08 --profile benchmarks/studies/real_model_peers/profile-ch08.txt
     python -m benchmarks.studies.real_model_peers.engine_loops run vllm --profile benchmarks/studies/real_model_peers/profile-vllm.txt
 
-``run`` prints one JSON line; ``compare`` runs the two in turns (reversed every other round) and keeps every round.
+``run`` prints one JSON line; ``compare`` runs the engines in turns (reversed every other round) and keeps every round.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ PROMPT_LENGTHS = (16, 32, 64, 128)
 NEW_TOKENS = 32
 WARM_UP_FINISHED = 128
 SERVER_CORES = [0]
-ENGINES = ("ch08", "vllm")
+ENGINES = ("ch08", "ch08-compiled", "vllm")
+DTYPES = {"bf16": ("bf16", "bfloat16"), "fp32": ("fp32", "float32")}  # --dtype: (chapter 8's --precision, vLLM's --dtype)
 
 
 def requests(seed: int = 0, vocab: int = 256) -> Iterator[list[int]]:
@@ -84,14 +86,14 @@ def _table(operators) -> str:
     return operators.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
 
 
-def run_ch08(seconds: float, profile: Path | None) -> dict:
+def run_ch08(seconds: float, profile: Path | None, dtype: str, compiled_blocks: bool) -> dict:
     import torch
 
     from benchmarks.studies.ch08_step_profile.profile_ch08 import closed_loop as ch08_loop
     from chapters.ch08_continuous_batching.sampling import GREEDY
     from chapters.ch08_continuous_batching.scheduler import Sequence
 
-    loop = ch08_loop("auto", "bf16", "default", weights="smollm2")  # built and warmed up on its own requests
+    loop = ch08_loop("auto", DTYPES[dtype][0], "default", weights="smollm2", compiled_blocks=compiled_blocks)  # warmed up
     scheduler = loop.engine.scheduler
     while scheduler.running or scheduler.waiting:  # drained, so both loops start from RUNNING of the same requests
         loop.engine.step()
@@ -103,15 +105,15 @@ def run_ch08(seconds: float, profile: Path | None) -> dict:
 
     record = closed_loop(step, lambda prompt: scheduler.add(Sequence(prompt, NEW_TOKENS, sampling=GREEDY)), seconds,
                          profile, _table)
-    return {"engine": "ch08", "label": loop.label, "torch": torch.__version__, **record}
+    return {"engine": "ch08-compiled" if compiled_blocks else "ch08", "label": loop.label, "torch": torch.__version__, **record}
 
 
-def run_vllm(seconds: float, profile: Path | None) -> dict:
+def run_vllm(seconds: float, profile: Path | None, dtype: str) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process, for the profiler
     import vllm
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    llm = LLM(model=str(HF_DIR), dtype="bfloat16", max_model_len=512, max_num_seqs=RUNNING, seed=0)
+    llm = LLM(model=str(HF_DIR), dtype=DTYPES[dtype][1], max_model_len=512, max_num_seqs=RUNNING, seed=0)
     engine, params, ids = llm.llm_engine, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True), iter(range(10**9))
 
     def step() -> int:
@@ -119,14 +121,14 @@ def run_vllm(seconds: float, profile: Path | None) -> dict:
 
     record = closed_loop(step, lambda prompt: engine.add_request(str(next(ids)), TokensPrompt(prompt_token_ids=prompt), params),
                          seconds, profile, _table)
-    return {"engine": "vllm", "label": f"vLLM {vllm.__version__} CPU, bfloat16, max_num_seqs {RUNNING}, max_model_len 512",
+    return {"engine": "vllm", "label": f"vLLM {vllm.__version__} CPU, {DTYPES[dtype][1]}, max_num_seqs {RUNNING}, max_model_len 512",
             **record}
 
 
-def _command(engine: str, seconds: float) -> list[str]:
+def _command(engine: str, seconds: float, dtype: str) -> list[str]:
     python = str(VLLM_PYTHON) if engine == "vllm" else sys.executable
     return ["taskset", "-c", ",".join(map(str, SERVER_CORES)), python, "-m", "benchmarks.studies.real_model_peers.engine_loops",
-            "run", engine, "--seconds", str(seconds)]
+            "run", engine, "--seconds", str(seconds), "--dtype", dtype]
 
 
 def _environment(engine: str) -> dict[str, str]:
@@ -135,21 +137,25 @@ def _environment(engine: str) -> dict[str, str]:
     return {"OMP_NUM_THREADS": "1"}
 
 
-def compare(rounds: int, seconds: float, command: str) -> dict:
-    runs: dict[str, list[dict]] = {engine: [] for engine in ENGINES}
+def compare(rounds: int, seconds: float, dtype: str, engines: tuple[str, ...], command: str) -> dict:
+    from benchmarks.harness.environment import cpu_description  # the project's venv: this module also runs in vLLM's
+
+    runs: dict[str, list[dict]] = {engine: [] for engine in engines}
     for index in range(rounds):
-        for engine in ENGINES if index % 2 == 0 else ENGINES[::-1]:
-            done = subprocess.run(_command(engine, seconds), cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800,
+        for engine in engines if index % 2 == 0 else engines[::-1]:
+            done = subprocess.run(_command(engine, seconds, dtype), cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800,
                                   env={**os.environ, **_environment(engine)}, check=True)
             runs[engine].append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(f"round {index + 1}/{rounds} {engine}: {runs[engine][-1]['requests_per_s']:.2f} req/s", file=sys.stderr)
     medians = {engine: statistics.median(r["requests_per_s"] for r in rows) for engine, rows in runs.items()}
-    return {"kind": "engine-loops", "command": command, "running": RUNNING, "new_tokens": NEW_TOKENS,
-            "prompt_lengths": list(PROMPT_LENGTHS), "seconds": seconds, "server_cores": SERVER_CORES,
-            "environments": {engine: _environment(engine) for engine in ENGINES}, "runs": runs,
-            "median_requests_per_s": medians, "ch08_over_vllm": round(medians["ch08"] / medians["vllm"], 3),
-            "ch08_over_vllm_each_round": [round(a["requests_per_s"] / b["requests_per_s"], 3)
-                                          for a, b in zip(runs["ch08"], runs["vllm"])]}
+    chapter8 = [engine for engine in engines if engine != "vllm"]
+    return {"kind": "engine-loops", "command": command, "cpu": cpu_description(), "dtype": dtype, "running": RUNNING,
+            "new_tokens": NEW_TOKENS, "prompt_lengths": list(PROMPT_LENGTHS), "seconds": seconds, "server_cores": SERVER_CORES,
+            "environments": {engine: _environment(engine) for engine in engines}, "runs": runs,
+            "median_requests_per_s": medians,
+            "over_vllm": {engine: round(medians[engine] / medians["vllm"], 3) for engine in chapter8},
+            "over_vllm_each_round": {engine: [round(a["requests_per_s"] / b["requests_per_s"], 3)
+                                              for a, b in zip(runs[engine], runs["vllm"])] for engine in chapter8}}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -159,18 +165,27 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("engine", choices=ENGINES)
     run.add_argument("--seconds", type=float, default=30.0)
     run.add_argument("--profile", type=Path, default=None, help="then profile as long again and write the operator table here")
+    run.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     both = commands.add_parser("compare", help="both engines in turns, each in its own pinned process")
     both.add_argument("--rounds", type=int, default=3)
     both.add_argument("--seconds", type=float, default=30.0)
     both.add_argument("--out", type=Path, required=True)
+    both.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    both.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
     args = parser.parse_args(argv)
     if args.command == "run":
-        print(json.dumps((run_vllm if args.engine == "vllm" else run_ch08)(args.seconds, args.profile)))
+        result = (run_vllm(args.seconds, args.profile, args.dtype) if args.engine == "vllm"
+                  else run_ch08(args.seconds, args.profile, args.dtype, compiled_blocks=args.engine == "ch08-compiled"))
+        print(json.dumps(result))
         return
-    document = compare(args.rounds, args.seconds, f"python -m benchmarks.studies.real_model_peers.engine_loops compare "
-                                                  f"--rounds {args.rounds} --seconds {args.seconds:g} --out {args.out}")
+    engines = tuple(engine for engine in ENGINES if engine in args.engines)
+    if "vllm" not in engines:
+        parser.error("compare measures chapter 8 against vLLM: --engines includes vllm")
+    document = compare(args.rounds, args.seconds, args.dtype, engines,
+                       f"python -m benchmarks.studies.real_model_peers.engine_loops compare --rounds {args.rounds} "
+                       f"--seconds {args.seconds:g} --dtype {args.dtype} --engines {' '.join(engines)} --out {args.out}")
     args.out.write_text(json.dumps(document, indent=2) + "\n")
-    print(json.dumps(document["median_requests_per_s"]), document["ch08_over_vllm"])
+    print(json.dumps(document["median_requests_per_s"]), document["over_vllm"])
 
 
 if __name__ == "__main__":
