@@ -5,8 +5,9 @@ Through the scheduler and runner, as ``test_ch08_llama`` serves the eager model 
 requests, chunked prefill, preemption): the oracle's greedy tokens, and every sampled row's logits within
 fp32 summation order of the eager model's dense forward. One graph per half serves every layer, and chapter 5's
 bf16 engine compiles within bf16 rounding of fp32. Chapter 5's oneDNN product reaches a
-graph as one opaque operator. (Not in ``make test``'s CPU pass: Inductor's C++ for torch's portable
-capability does not build.)
+graph as one opaque operator. Compiling a model takes most of a minute here, so all but the last two tests are
+in the slow suite (``make test-slow``): the blocks are a study's experiment, not a server's flag. (Not in
+``make test``'s CPU pass: Inductor's C++ for torch's portable capability does not build.)
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def eager_and_compiled(request):
     return loaded.model, compiled
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ["gather", "kernel"])
 def test_compiled_blocks_serve_the_oracles_tokens_and_the_eager_models_logits(eager_and_compiled, attention: str) -> None:
     eager, compiled = eager_and_compiled
@@ -55,6 +57,7 @@ def test_compiled_blocks_serve_the_oracles_tokens_and_the_eager_models_logits(ea
     assert scheduler.stats.preemptions > 0 and scheduler.manager.free_blocks == scheduler.manager.total_blocks
 
 
+@pytest.mark.slow
 def test_one_graph_per_half_serves_every_layer(eager_and_compiled) -> None:
     _, compiled = eager_and_compiled
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
@@ -66,6 +69,7 @@ def test_one_graph_per_half_serves_every_layer(eager_and_compiled) -> None:
         assert 1 <= len(_debug_get_cache_entry_list(code)) <= 4  # a few guards (one token, dynamic counts), not one per layer
 
 
+@pytest.mark.slow
 def test_chapter_5s_bf16_engine_compiles_within_bf16_rounding_of_fp32() -> None:
     """Chapter 5's bf16 engine (its products in bf16, through oneDNN where this CPU multiplies bf16) with compiled blocks:
     a packed step's logits within bf16 rounding of the fp32 model's."""
@@ -107,7 +111,8 @@ def test_without_a_cpp_compiler_compiled_blocks_are_refused_in_one_line_before_a
 def test_a_laid_out_onednn_weight_goes_through_torch_compile_as_one_opaque_product(post_op: str, monkeypatch) -> None:
     """Inductor lowers oneDNN's products only for weights that are constants of its graph; a block's laid-out weight
     is an input, so the product reaches a compiled graph as ``serving::onednn_product``. An fp32 layout stands in for
-    bf16 where this CPU's oneDNN refuses bf16: the path is the same."""
+    bf16 where this CPU's oneDNN refuses bf16: the path is the same. At fp32 the compiled block is the eager one to
+    the bit; in bf16 Inductor keeps SiLU's output in fp32 until the add, so the two differ by at most a rounding."""
     torch.manual_seed(0)
     weight = torch.randn(48, 32)
     dtype = torch.bfloat16 if bf16_matmul.onednn_takes_bf16() else torch.float32
@@ -119,8 +124,14 @@ def test_a_laid_out_onednn_weight_goes_through_torch_compile_as_one_opaque_produ
     def block(x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.silu(product(x * 2, laid_out, None)) + 1
 
+    with torch.no_grad():  # one graph: asking whether oneDNN takes bf16 is answered while tracing, not in the graph
+        explained = torch._dynamo.explain(block)(torch.randn(5, 32, dtype=dtype))
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
     compiled = torch.compile(block, dynamic=True)
     with torch.no_grad():
         for rows in (5, 16, 37):
             x = torch.randn(rows, 32, dtype=dtype)
-            assert torch.equal(compiled(x), block(x))
+            if dtype == torch.float32:
+                assert torch.equal(compiled(x), block(x))
+            else:
+                torch.testing.assert_close(compiled(x), block(x), rtol=2**-7, atol=2**-7)

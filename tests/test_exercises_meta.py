@@ -272,6 +272,7 @@ def test_a_chapter_3_student_tree_grades_its_exercises_as_not_attempted(tmp_path
 CHECK_LINE = re.compile(r"\*\*Check:\*\* `(pytest -m (ch\d{2}_\d+))`")
 
 
+@pytest.mark.slow
 def test_a_learners_check_line_grades_the_tree_it_stands_in_unsolved_then_solved(tmp_path: Path) -> None:
     """The README's "Check:" line, run as written with bare ``pytest`` inside a student tree, while this
     environment's editable install points at the solved repository: it must grade the student's code."""

@@ -72,6 +72,7 @@ MORE_QUESTIONS = [[{"role": "user", "content": question}] for question in
                   ("Tell me a joke.", "What is 7 times 8?", "Name three colours.", "Why is the sea salty?")]
 
 
+@pytest.mark.slow
 def test_bf16_keeps_the_stated_agreement_with_transformers(llama_oracle) -> None:
     bf16 = load_model("smollm2", dtype=torch.bfloat16)
     same = total = 0

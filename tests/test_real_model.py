@@ -6,7 +6,8 @@ suite; ``test_concurrent_mixed_chat_requests_get_transformers_tokens`` sends pro
 at once, so request-level batches pad them and chapter 8 runs them in one packed step. Chapter 9 (a
 Ray cluster, Serve's proxy and one replica of chapter 8's server, each replica loading the model
 itself) answers the same questions through the proxy, in the slow suite: Ray's start and the
-replica's load take most of a minute.
+replica's load take most of a minute. Chapters 2, 6 and 7, which run the model as the chapter before them does,
+are in the slow suite too, for the fast suite's time.
 """
 
 from __future__ import annotations
@@ -25,7 +26,12 @@ from shared.chat_template import chat_prompt
 QUESTIONS = ["What is the capital of France?", "Name a colour.", "Write a haiku about the sea, please, in English.",
              "Explain in one sentence why the sky looks blue during the day and red at sunset."]
 NEW_TOKENS = (8, 5, 3, 6)
-SERVED = [chapter for chapter in CHAPTERS if chapter != "ch09"]
+# Chapters 2, 6 and 7 run the model as the chapter before them does (the same model code behind another web face,
+# batcher setting or production shell), so they run in the slow suite; each chapter that brings a new way to run
+# the model (a batch, a pool, an engine, a paged cache) stays here.
+SLOW_HERE = ("ch02", "ch06", "ch07")
+SERVED = [pytest.param(chapter, marks=pytest.mark.slow) if chapter in SLOW_HERE else chapter
+          for chapter in CHAPTERS if chapter != "ch09"]
 TIMEOUT_S = 300
 
 

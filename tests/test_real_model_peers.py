@@ -187,3 +187,11 @@ def test_both_engine_loops_draw_the_same_prompts_and_the_block_divides_the_media
     intel, epyc = block.split("**Xeon, AVX512, bf16**")[1], block.split("**EPYC, AVX2, fp32**")[1]
     assert "engine-loops-avx2.json" in epyc.split("**")[0] and "| ch08 | 11.00 | 990 | 2.00× (2.00, 2.50, 1.50) |" in epyc
     assert block.index("EPYC") > block.index("Xeon") and "engine-loops-avx2" not in intel.split("**")[0]
+
+
+def test_the_engine_loops_refuse_a_comparison_without_vllm_in_one_line(capsys) -> None:
+    from benchmarks.studies.real_model_peers import engine_loops
+
+    with pytest.raises(SystemExit) as refused:
+        engine_loops.main(["compare", "--engines", "ch08", "ch08-compiled", "--out", "unused.json"])
+    assert refused.value.code == 2 and "--engines includes vllm" in capsys.readouterr().err

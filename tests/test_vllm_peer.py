@@ -18,7 +18,7 @@ from benchmarks.harness import streaming
 from benchmarks.harness.server_process import free_port
 from benchmarks.report.peer_blocks import VLLM_PEER_DIR, vllm_peer_block
 from benchmarks.studies.vllm_peer.export_hf import export
-from benchmarks.studies.vllm_peer.peer import VLLM_REQUEST_EXTRA, results_path, vllm_command, vllm_env
+from benchmarks.studies.vllm_peer.peer import VLLM_REQUEST_EXTRA, measured_routes, results_path, vllm_command, vllm_env
 from chapters.ch08_continuous_batching.openai_api import CompletionsApi
 from shared.schemas import ApiError, ContractLimits
 from shared.tokenizer import ByteTokenizer
@@ -174,14 +174,16 @@ def test_vllm_starts_through_its_module_pinned_to_the_servers_cores(tmp_path: Pa
     assert results_path(tmp_path, "shared-prefix", "stream") == tmp_path / "shared-prefix-stream.json"
 
 
-def _peer_file(ch08_qps: list[float], vllm_qps: list[float], answers: str) -> dict:
-    def server(qps: list[float]) -> dict:
-        rounds = [{"qps": q, "errors": {}, "short_answers": 0, "e2e_ms": {"p99": 1000.0}, "ttft_ms": {"p50": 50.0, "p99": 90.0}}
+def _peer_file(ch08_qps: list[float], vllm_qps: list[float], answers: str, inference_qps: list[float] | None = None) -> dict:
+    def server(qps: list[float], p99_ms: float = 1000.0) -> dict:
+        rounds = [{"qps": q, "errors": {}, "short_answers": 0, "e2e_ms": {"p99": p99_ms}, "ttft_ms": {"p50": 50.0, "p99": 90.0}}
                   for q in qps]
         return {**streaming.median_round(rounds)}
 
-    document = streaming.compare_document("mixed", 64, 25.0, {"ch08": server(ch08_qps), "vllm": server(vllm_qps)}, "python -m x",
-                                          rounds=len(ch08_qps))
+    servers = {"ch08": server(ch08_qps), "vllm": server(vllm_qps)}
+    if inference_qps:
+        servers["ch08-inference"] = server(inference_qps, 1500.0)
+    document = streaming.compare_document("mixed", 64, 25.0, servers, "python -m x", rounds=len(ch08_qps))
     document.update(kind="vllm-peer", answers=answers, servers={"vllm": {"version": "0.32.0", "dtype": "bfloat16"}})
     return document
 
@@ -194,7 +196,20 @@ def test_the_block_says_not_measured_until_a_file_exists_then_reads_it(tmp_path:
     text = vllm_peer_block(tmp_path)
     # medians 42 and 30 (the median-QPS rounds); each round paired in order: 40/30, 44/35, 42/20
     assert "| `mixed` | whole | 64 | 3 | 42.0 | 30.0 | 1.40× (1.33, 1.26, 2.10) | 1.00 / 1.00 | — | — | 0, 0 |" in text
-    assert "vLLM 0.32.0 at bfloat16" in text
+    assert "vLLM 0.32.0 at bfloat16" in text and "/v1/inference" not in text
+
+
+def test_chapter_8s_own_route_is_measured_for_whole_answers_and_gets_its_row(tmp_path: Path) -> None:
+    assert measured_routes("ch08", "shared-prefix", "whole") == [("ch08", "openai"), ("ch08-inference", "inference")]
+    assert measured_routes("ch08", "shared-prefix", "stream") == [("ch08", "openai")]
+    assert measured_routes("vllm", "shared-prefix", "whole") == [("vllm", "openai")]
+    folder = tmp_path / VLLM_PEER_DIR
+    folder.mkdir()
+    (folder / "mixed-whole.json").write_text(json.dumps(_peer_file([40.0], [20.0], "whole", inference_qps=[30.0])))
+    text = vllm_peer_block(tmp_path)
+    assert "| `mixed` | whole | 64 | 1 | 40.0 | 20.0 | 2.00× (2.00) | 1.00 / 1.00 |" in text
+    assert "| `mixed` | whole, ch08 on `/v1/inference` | 64 | 1 | 30.0 | 20.0 | 1.50× (1.50) | 1.50 / 1.00 |" in text
+    assert "the `/v1/inference` rows: chapter 8's own route" in text
 
 
 def test_the_block_is_registered_for_the_readmes() -> None:

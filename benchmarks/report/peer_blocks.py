@@ -43,17 +43,21 @@ def vllm_peer_block(directory: Path, folder_name: str = VLLM_PEER_DIR) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     runs.sort(key=lambda run: (_WORKLOAD_ORDER.get(run["workload"], 9), run["workload"], run["answers"] != "whole"))
     for run in runs:
-        ours, peer = run["chapters"]["ch08"], run["chapters"]["vllm"]
-        each = ", ".join(f"{a['qps'] / b['qps']:.2f}" for a, b in zip(_rounds(ours), _rounds(peer)))
+        peer = run["chapters"]["vllm"]
         streamed = run["answers"] == "stream"
-        ttft50 = f"{ours['ttft_ms']['p50']:,.0f} / {peer['ttft_ms']['p50']:,.0f}" if streamed else "—"
-        ttft99 = f"{ours['ttft_ms']['p99']:,.0f} / {peer['ttft_ms']['p99']:,.0f}" if streamed else "—"
-        errors = sum(sum(r["errors"].values()) for f in (ours, peer) for r in _rounds(f))
-        short = sum(r.get("short_answers", 0) for f in (ours, peer) for r in _rounds(f))
-        lines.append(f"| `{run['workload']}` | {'streamed' if streamed else 'whole'} | {run['users']} | {run['rounds']} "
-                     f"| {ours['qps']:.1f} | {peer['qps']:.1f} | {ours['qps'] / peer['qps']:.2f}× ({each}) "
-                     f"| {_seconds(ours, 'e2e_ms', 'p99'):.2f} / {_seconds(peer, 'e2e_ms', 'p99'):.2f} | {ttft50} | {ttft99} "
-                     f"| {errors}, {short} |")
+        for label, answers in (("ch08", "streamed" if streamed else "whole"), ("ch08-inference", "whole, ch08 on `/v1/inference`")):
+            if label not in run["chapters"]:
+                continue
+            ours = run["chapters"][label]
+            each = ", ".join(f"{a['qps'] / b['qps']:.2f}" for a, b in zip(_rounds(ours), _rounds(peer)))
+            ttft50 = f"{ours['ttft_ms']['p50']:,.0f} / {peer['ttft_ms']['p50']:,.0f}" if streamed else "—"
+            ttft99 = f"{ours['ttft_ms']['p99']:,.0f} / {peer['ttft_ms']['p99']:,.0f}" if streamed else "—"
+            errors = sum(sum(r["errors"].values()) for f in (ours, peer) for r in _rounds(f))
+            short = sum(r.get("short_answers", 0) for f in (ours, peer) for r in _rounds(f))
+            lines.append(f"| `{run['workload']}` | {answers} | {run['users']} | {run['rounds']} "
+                         f"| {ours['qps']:.1f} | {peer['qps']:.1f} | {ours['qps'] / peer['qps']:.2f}× ({each}) "
+                         f"| {_seconds(ours, 'e2e_ms', 'p99'):.2f} / {_seconds(peer, 'e2e_ms', 'p99'):.2f} | {ttft50} | {ttft99} "
+                         f"| {errors}, {short} |")
     return "\n".join(lines) + "\n\n" + _how(runs, folder)
 
 
@@ -77,10 +81,12 @@ def _how(runs: list[dict], folder: Path) -> str:
     # what chapter 8's start-up rules chose in each file's median round (they measure, so a day may differ)
     chose = sorted({f"{engine['engine']}/{engine['precision']}" + (f" with {ours['attention']} attention" if ours.get("attention") else "")
                     for run in runs for ours in [run["chapters"]["ch08"]] if (engine := ours.get("engine"))})
+    own_route = (" (the `/v1/inference` rows: chapter 8's own route, the same prompts, in the same server start as the row "
+                 "above them)") if any("ch08-inference" in run["chapters"] for run in runs) else ""
     return (f"Each row is one file of `{repo_path(folder)}/` (`<workload>-<whole|stream>.json`): per server its round of median "
             "QPS; the rounds alternate the two servers, each started fresh, and `each round` pairs them in order. P99 is of the "
             "whole answer; TTFT is the first streamed token. Both served the embedded model (vLLM its Hugging Face export, "
-            f"`export_hf.py`) to the same streaming client on OpenAI's `/v1/completions`; {', '.join(vllm)}, chapter 8 at its "
+            f"`export_hf.py`) to the same streaming client on OpenAI's `/v1/completions`{own_route}; {', '.join(vllm)}, chapter 8 at its "
             f"defaults{' (it chose ' + ', '.join(chose) + ')' if chose else ''}. Reproduce: {commands}. How they ran: {settings}. Commits: {commits}.")
 
 

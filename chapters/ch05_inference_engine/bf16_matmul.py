@@ -162,7 +162,12 @@ def onednn_product(x: Tensor, weight: Tensor, bias: Tensor | None, post_op: str,
 
 
 def _takes_onednn_product(x: Tensor) -> bool:
-    return _onednn_linear() is not None and x.device.type == "cpu" and onednn_takes_bf16()
+    return x.device.type == "cpu" and _onednn_runs_bf16()
+
+
+@torch.compiler.assume_constant_result  # read once while tracing: the probe would split a compiled graph
+def _onednn_runs_bf16() -> bool:
+    return _onednn_linear() is not None and onednn_takes_bf16()
 
 
 @torch.library.custom_op("serving::onednn_product", mutates_args=())

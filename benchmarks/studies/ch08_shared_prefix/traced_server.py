@@ -5,7 +5,10 @@ Run as ``python -m benchmarks.studies.ch08_shared_prefix.traced_server`` with ch
 changes) and appends one JSON line per request at its first token: when it arrived, when the step
 that first computed it began, when its first token came, how many of its prompt's positions the
 prefix cache held at admission, how many steps it took part in before its first token, and the
-size of the step that gave it (decode rows, prompt tokens, seconds). ``CH08_NO_HOLD=1`` runs the
+size of the step that gave it (decode rows, prompt tokens, seconds); and one line per request at its last
+token (``"kind": "answer"``): when it arrived, was first computed, got its first token and finished, how many steps it took part
+in and their seconds (all, and the longest), the prompt tokens of other requests computed in those steps,
+its preemptions, its prompt's positions found cached and how many requests were running when it was admitted. ``CH08_NO_HOLD=1`` runs the
 scheduler without :meth:`~chapters.ch08_continuous_batching.scheduler.ContinuousScheduler._held_for_prefixes_in_flight`
 (every waiting request admitted in order, as before it), for side-by-side rounds.
 """
@@ -25,6 +28,7 @@ _trace_file = open(TRACE_PATH, "a", buffering=1) if TRACE_PATH else None  # noqa
 _seen: dict[int, dict] = {}
 _done: set[int] = set()  # sequences whose first token is traced
 _step_started = [0.0]
+_answers: dict[int, dict] = {}  # per running sequence: what its steps cost until its last token
 
 
 def _traced_schedule(self):
@@ -37,6 +41,9 @@ def _traced_schedule(self):
             info = _seen.setdefault(row.seq.seq_id, {"steps": 0, "prompt": len(row.seq.prompt_ids)})
             if "first_step_at" not in info:
                 info.update(first_step_at=_step_started[0], cached=row.start, waiting_at_admission=len(self.waiting))
+                _answers.setdefault(row.seq.seq_id, {"steps": 0, "steps_s": 0.0, "longest_step_s": 0.0,
+                                                     "others_prompt_tokens": 0, "running_at_admission": len(self.running),
+                                                     "cached": row.start, "first_step_at": _step_started[0]})
             info["steps"] += 1
     return step
 
@@ -45,6 +52,7 @@ def _traced_update(self, step, logits):
     _plain_update(self, step, logits)
     ended = time.perf_counter()
     prefill_tokens = step.num_tokens - len(step.decode_rows)
+    _trace_answers(step, ended - _step_started[0], prefill_tokens)
     for row in step.rows:
         seq = row.seq
         if seq.seq_id in _done or seq.first_token_at is None or seq.seq_id not in _seen:
@@ -57,6 +65,26 @@ def _traced_update(self, step, logits):
                   "step_prefill_tokens": prefill_tokens, "step_s": ended - _step_started[0]}
         if _trace_file is not None:
             _trace_file.write(json.dumps(record) + "\n")
+
+
+def _trace_answers(step, step_s: float, prefill_tokens: int) -> None:
+    """Each row's share of the step just ended; one ``answer`` line for each sequence it finished."""
+    for index, row in enumerate(step.rows):  # decode rows first
+        seq = row.seq
+        answer = _answers.get(seq.seq_id)
+        if answer is None:
+            continue
+        own_prompt = 0 if index < len(step.decode_rows) else row.length
+        answer["steps"] += 1
+        answer["steps_s"] += step_s
+        answer["longest_step_s"] = max(answer["longest_step_s"], step_s)
+        answer["others_prompt_tokens"] += prefill_tokens - own_prompt
+        if seq.finished_at is not None:
+            del _answers[seq.seq_id]
+            if _trace_file is not None:
+                _trace_file.write(json.dumps({"kind": "answer", "arrived": seq.arrived, "first_token_at": seq.first_token_at,
+                                              "finished_at": seq.finished_at, "prompt": len(seq.prompt_ids),
+                                              "generated": seq.num_generated, "preemptions": seq.preemptions, **answer}) + "\n")
 
 
 if os.environ.get("CH08_NO_HOLD") == "1":  # the scheduler as it was before it held requests for a prefix in flight

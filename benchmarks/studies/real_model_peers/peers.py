@@ -56,7 +56,8 @@ from benchmarks.harness.server_stats import server_choices
 from benchmarks.harness.streaming import compare_document, harness_settings, median_round
 from benchmarks.studies.real_model_peers.export import F16_GGUF, HF_DIR, LLAMA_CPP_ROOT
 from benchmarks.studies.vllm_peer.peer import (DEFAULT_VENV, _kill_group, _repo_relative, _wait_until_ready, measure,
-                                               peer_packages, results_path, running_vllm, vllm_command, vllm_env)
+                                               measured_routes, peer_packages, results_path, running_vllm, vllm_command,
+                                               vllm_env)
 from chapters import module_for
 from shared.paths import REPO_ROOT
 
@@ -181,15 +182,6 @@ def compare_all(args: argparse.Namespace, harness: dict, profile_args: list[str]
                                          "request_extra": request_extra(label, workload) or {}} for label in args.servers})
         documents[(workload, answers)] = document
     return documents
-
-
-def measured_routes(label: str, workload: str, answers: str) -> list[tuple[str, str]]:
-    """The rows one server's start gives for a workload, as (row label, route): every server on OpenAI's routes;
-    chapter 8 also on its own ``/v1/inference`` (row ``ch08-inference``) for whole answers to completion workloads."""
-    routes = [(label, "openai")]
-    if label == "ch08" and answers == "whole" and workload != "chat":
-        routes.append(("ch08-inference", "inference"))
-    return routes
 
 
 def check_tokens(args: argparse.Namespace) -> list[dict[str, Any]]:

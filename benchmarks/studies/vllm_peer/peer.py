@@ -198,16 +198,18 @@ def compare_all(args: argparse.Namespace, harness: dict, profile_args: list[str]
     ch08_flags = [*profile_args, *shlex.split(args.ch08_args)]
     vllm_extra = shlex.split(args.vllm_args)
     pairs = [(workload, answers) for workload in args.workloads for answers in args.answers]
-    runs: dict[tuple[str, str], dict[str, list[dict[str, Any]]]] = {pair: {label: [] for label in PEER_LABELS} for pair in pairs}
+    runs: dict[tuple[str, str], dict[str, list[dict[str, Any]]]] = {pair: {} for pair in pairs}
     for index in range(args.rounds):
         for label in PEER_LABELS if index % 2 == 0 else PEER_LABELS[::-1]:
             with running_peer(label, args, cores, ch08_flags, vllm_extra, server_env) as server:
                 for workload, answers in pairs:
-                    record = measure(server.url, args, workload, ANSWERS[answers], None if label == "ch08" else VLLM_REQUEST_EXTRA)
-                    if label == "ch08":
-                        record.update(server_choices(server.url))
-                    print(f"{workload} {answers} round {index + 1}/{args.rounds} {label}: {record['qps']:.1f} QPS", file=sys.stderr)
-                    runs[(workload, answers)][label].append(record)
+                    for row, route in measured_routes(label, workload, answers):
+                        record = measure(server.url, args, workload, ANSWERS[answers],
+                                         None if label == "ch08" else VLLM_REQUEST_EXTRA, route)
+                        if label == "ch08":
+                            record.update(server_choices(server.url))
+                        print(f"{workload} {answers} round {index + 1}/{args.rounds} {row}: {record['qps']:.1f} QPS", file=sys.stderr)
+                        runs[(workload, answers)].setdefault(row, []).append(record)
     documents = {}
     for (workload, answers), by_label in runs.items():
         document = compare_document(workload, args.users, args.duration_s, {label: median_round(r) for label, r in by_label.items()},
@@ -219,6 +221,15 @@ def compare_all(args: argparse.Namespace, harness: dict, profile_args: list[str]
                      "env": {**server_env, **vllm_env(cores, args.kv_cache_gib)}, "request_extra": VLLM_REQUEST_EXTRA}})
         documents[(workload, answers)] = document
     return documents
+
+
+def measured_routes(label: str, workload: str, answers: str) -> list[tuple[str, str]]:
+    """The rows one server's start gives for a workload, as (row label, route): every server on OpenAI's routes;
+    chapter 8 also on its own ``/v1/inference`` (row ``ch08-inference``) for whole answers to completion workloads."""
+    routes = [(label, "openai")]
+    if label == "ch08" and answers == "whole" and workload != "chat":
+        routes.append(("ch08-inference", "inference"))
+    return routes
 
 
 def _repo_relative(path: Path) -> Path:
