@@ -265,23 +265,25 @@ def test_the_servers_blocks_of_128_give_the_oracles_tokens_under_chunked_prefill
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n_embd, n_head", [(32, 2), (128, 2), (96, 2), (288, 1)])
-def test_the_kernel_reads_the_models_own_views_and_writes_the_new_keys_where_gather_does(cache_dtype, n_embd, n_head) -> None:
+@pytest.mark.parametrize("n_embd, n_head, n_kv_head", [(32, 2, 2), (128, 2, 2), (96, 2, 2), (288, 1, 1), (576, 9, 3), (320, 5, 1)])
+def test_the_kernel_reads_the_models_own_views_and_writes_the_new_keys_where_gather_does(cache_dtype, n_embd, n_head, n_kv_head) -> None:
     """Decode rows over scattered blocks: the kernel, given q, k, v as the model's ``c_attn`` leaves them
     (strided views of one (N, 3W) tensor), writes the pool exactly as ``gather`` does and attends as it
     does; given contiguous copies or bf16 inputs it takes its copying path to the same result. Heads of
     16, 64, 48 and 288 numbers: one number at a time, in vector pairs (GPT-2's 64, a constant to the
-    compiler), both, and more than the registers hold."""
+    compiler), both, and more than the registers hold; and grouped-query attention: SmolLM2's 9 query heads
+    over 3 key/value heads (a group attended together), and a group of 5 (more than the kernel takes at once)."""
     from chapters.ch08_continuous_batching.fast.attention_choice import scattered_decode_inputs
 
-    config = ModelConfig(vocab_size=16, n_ctx=64, n_embd=n_embd, n_layer=1, n_head=n_head)
+    config = ModelConfig(vocab_size=16, n_ctx=64, n_embd=n_embd, n_layer=1, n_head=n_head, n_kv_head=n_kv_head)
     rows, size, rng = 5, 4, random.Random(3)
     store = PagedKVStore(KVMemoryPool(config, 64 * 4, block_tokens=size, dtype=cache_dtype))
     for kv in (0, 1):
         store.plane(0, kv).copy_(torch.randn(store.plane(0, kv).shape))
     inputs, _ = scattered_decode_inputs(store, [rng.randint(1, 30) for _ in range(rows)], rng)
-    fused = torch.randn(1, rows, 3 * config.n_embd)  # what c_attn returns, split and viewed as the model does
-    q, k, v = (t.view(1, rows, config.n_head, -1).transpose(1, 2) for t in fused.split(config.n_embd, dim=2))
+    fused = torch.randn(1, rows, config.n_embd + 2 * config.kv_width)  # what the fused projection returns, viewed as the model does
+    q, k, v = (t.view(1, rows, heads, -1).transpose(1, 2)
+               for t, heads in zip(fused.split([config.n_embd, config.kv_width, config.kv_width], dim=2), (n_head, n_kv_head, n_kv_head)))
     before = store.pool.storage.clone()
     expected = build_attention("gather", store).bind(inputs)(0, q, k, v)
     written, store.pool.storage[:] = store.pool.storage.clone(), before
@@ -309,6 +311,13 @@ def test_the_studies_that_rebuild_the_kernel_still_find_what_they_change_in_its_
     assert source != KERNEL_SOURCE.read_text() and "exp_lanes(lanes_fp32" not in source
     kernel = KERNEL_SOURCE.read_text()
     assert "__builtin_prefetch((const char *)row + at, 0, 3)" in kernel and "#define AHEAD 8" in kernel  # hints_study's
+
+
+def test_the_studies_find_the_kernel_of_a_git_revision() -> None:
+    """``--kernel-of REV`` (the floor and step-split studies) reads ``paged_decode.c`` from git where the chapter keeps it."""
+    from benchmarks.studies.ch08_shared_prefix.step_split import kernel_source_at
+
+    assert "PAGED_DECODE(paged_decode_bf16" in kernel_source_at("HEAD")
 
 
 def test_the_kernel_backend_says_why_it_cannot_run_without_a_compiler_or_when_the_build_fails(tmp_path) -> None:

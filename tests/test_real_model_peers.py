@@ -195,3 +195,21 @@ def test_the_engine_loops_refuse_a_comparison_without_vllm_in_one_line(capsys) -
     with pytest.raises(SystemExit) as refused:
         engine_loops.main(["compare", "--engines", "ch08", "ch08-compiled", "--out", "unused.json"])
     assert refused.value.code == 2 and "--engines includes vllm" in capsys.readouterr().err
+
+
+def test_llama_slots_reads_each_requests_prompt_and_answer_from_llama_servers_log() -> None:
+    from benchmarks.studies.real_model_peers.llama_slots import requests, summary
+
+    log = "\n".join([
+        "0.00.006.291 I srv    load_model: loading model 'x.gguf'",
+        "0.05.173.446 I slot print_timing: id 60 | task 3 | prompt eval time =    2919.08 ms /   272 tokens (   10.73 ms per token)",
+        "0.05.173.495 I slot print_timing: id 60 | task 3 |        eval time =    1246.52 ms /    32 tokens (   40.21 ms per token)",
+        "0.05.173.508 I slot print_timing: id 60 | task 3 |       total time =    4165.60 ms /   304 tokens",
+        "1.15.768.952 I slot print_timing: id  7 | task 226 | prompt eval time =     580.67 ms /     16 tokens (  36.29 ms per token)",
+        "1.15.769.001 I slot print_timing: id  7 | task 226 |        eval time =    6400.00 ms /    32 tokens (  200.00 ms per token)",
+    ])
+    found = requests(log)
+    assert found == [{"finished_s": 5.173, "prompt_tokens": 272, "prompt_ms": 2919.08, "decode_ms_per_token": 1246.52 / 32},
+                     {"finished_s": 75.768, "prompt_tokens": 16, "prompt_ms": 580.67, "decode_ms_per_token": 200.0}]
+    table = summary(found).splitlines()
+    assert table[2].startswith("| 0-10 | 1 | 1 | 272 |") and table[3].startswith("| 70-80 | 1 | 0 | 16 |")

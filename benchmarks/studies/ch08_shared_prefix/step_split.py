@@ -62,7 +62,7 @@ def revision_kernel_source(revision: str) -> str:
 
 def kernel_source_at(revision: str) -> str:
     """``paged_decode.c`` as of git ``revision``."""
-    root = KERNEL_SOURCE.parents[2]  # the repository's
+    root = Path(__file__).resolve().parents[3]  # the repository's
     return subprocess.run(["git", "-C", str(root), "show", f"{revision}:{KERNEL_SOURCE.relative_to(root).as_posix()}"],
                           capture_output=True, text=True, check=True).stdout
 

@@ -4,17 +4,19 @@
  *
  * First every row's new key and value go into its slot (slots[r], rounded to the cache's dtype); then,
  * for each row: where each position it attends to lies (position t in slot
- * tables[r][t / block] * block + t % block), then query head after query head: its scores over those
- * positions, a softmax over the whole row at once (its length is known: no running maximum, no
- * rescaling), then the weighted sum of the values. Everything accumulates in fp32. Under grouped-query
- * attention the cache holds kv_heads key/value heads, each shared by heads / kv_heads consecutive query
- * heads: query head h reads key/value head h / (heads / kv_heads) where it lies, nothing copied per
- * query head (and the query heads of a group find its keys and values still in the core's caches).
+ * tables[r][t / block] * block + t % block), then key/value head after key/value head, for the query
+ * heads that read it: their scores over those positions, a softmax over the whole row at once (its
+ * length is known: no running maximum, no rescaling), then the weighted sum of the values. Everything
+ * accumulates in fp32. Under grouped-query attention the cache holds kv_heads key/value heads, each
+ * shared by a group of heads / kv_heads consecutive query heads: query head h reads key/value head
+ * h / (heads / kv_heads) where it lies, nothing copied per query head.
  *
  * Why it is written this way. A decode step reads every running sequence's keys and values once per
  * layer and does little with each: per position and head, a dot product of head_dim numbers. So
- *  - a head's query and its output sums stay in registers for the whole row; the row's own keys and
- *    values stay in the core's caches from one head to the next, and the first head's passes ask for
+ *  - the query heads of a group are attended together (up to TOGETHER at a time): each key and value
+ *    is loaded, and widened from bf16, once for all of them, not once per query head;
+ *  - the heads' queries and output sums stay in registers for the whole row; the row's own keys and
+ *    values stay in the core's caches from one group to the next, and the first group's passes ask for
  *    the rows AHEAD positions on early: the blocks lie anywhere in the pool, and the CPU's own
  *    prefetcher finds no stream across a block boundary;
  *  - the arithmetic is in vectors of LANES floats (GCC's and clang's vector extensions: one AVX-512
@@ -203,81 +205,118 @@ static inline void prefetch_row(const void *row, int64_t bytes) {
     for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch((const char *)row + at, 0, 3);
 }
 
-/* One row's attention, head after head. `head_dim` is a constant where the caller passes one (64: the
- * compiler then keeps a head's query and output sums in registers), else read at run time. */
+/* Up to TOGETHER query heads of one group, attended together: each key and value of their key/value head
+ * `kv` is loaded (and widened, for bf16) once for all of them; each head's own sums are those it would
+ * have alone, in the same order. `count` and `head_dim` are constants where the caller passes them (the
+ * compiler then keeps the heads' queries and output sums in registers), else read at run time. */
+#define TOGETHER 4
 #define MOST_PAIRS (256 / (2 * LANES)) /* in registers: up to 256 numbers of a head; any beyond, one at a time */
-#define ATTEND_ROW(NAME, T, LOAD, KIND)                                                                          \
-    static inline __attribute__((always_inline)) void NAME(                                                      \
-        const float *q, int64_t head_stride, const T *k, const T *v, const int32_t *table, int64_t n,            \
-        int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block, float scale, float *logits,           \
-        int64_t *where, float *out) {                                                                           \
-        const int64_t stride = kv_heads * head_dim, row_bytes = stride * (int64_t)sizeof(T);                    \
-        const int64_t group = heads / kv_heads; /* query heads per key/value head */                            \
-        const int64_t pairs = head_dim < 256 ? head_dim / (2 * LANES) : MOST_PAIRS;                             \
-        const int64_t vector_end = pairs * 2 * LANES;                                                          \
-        for (int64_t t = 0, b = 0; t < n; ++b) /* each position's row in a plane, block by block */             \
-            for (int64_t j = 0, base = (int64_t)table[b] * block; j < block && t < n; ++j, ++t)                \
-                where[t] = (base + j) * stride;                                                                \
-        const int64_t span = (n + LANES - 1) / LANES * LANES; /* a head's scores, padded to whole vectors */   \
-        for (int64_t h = 0; h < heads; ++h) {                                                                  \
-            const float *qh = q + h * head_stride;                                                             \
-            float *row = logits + h * span;                                                                    \
-            floats query[MOST_PAIRS][2], top = (floats){0} - INFINITY; /* the highest score, lane by lane */   \
-            for (int64_t c = 0; c < pairs; ++c) split_##KIND(qh + c * 2 * LANES, &query[c][0], &query[c][1]);  \
-            for (int64_t t0 = 0; t0 < n; t0 += LANES) { /* scores, LANES positions at a time */                 \
-                const int64_t m = n - t0 < LANES ? n - t0 : LANES;                                             \
-                floats part[LANES];                                                                            \
-                float tail[LANES];                                                                             \
-                for (int64_t p = 0; p < LANES; ++p) {                                                          \
-                    const int64_t t = t0 + p;                                                                  \
-                    floats sum = {0}, first, second;                                                           \
-                    float rest = 0.f;                                                                          \
-                    if (p < m) {                                                                               \
-                        if (AHEAD && h == 0 && t + AHEAD < n) prefetch_row(k + where[t + AHEAD], row_bytes);    \
-                        const T *kh = k + where[t] + h / group * head_dim;                                     \
-                        for (int64_t c = 0; c < pairs; ++c) {                                                  \
-                            pair_##KIND(kh + c * 2 * LANES, &first, &second);                                  \
-                            sum += query[c][0] * first + query[c][1] * second;                                 \
-                        }                                                                                      \
-                        for (int64_t d = vector_end; d < head_dim; ++d) rest += qh[d] * LOAD(kh[d]);           \
-                    }                                                                                          \
-                    part[p] = sum;                                                                             \
-                    tail[p] = rest;                                                                            \
-                }                                                                                              \
-                const ints past_end = LANE_INDEX >= (int32_t)m; /* beyond the row: score -inf, weight 0 */      \
-                floats score = (sum_lanes(part) + lanes_fp32(tail)) * scale;                                   \
-                score = (floats)(((ints)score & ~past_end) | ((ints)((floats){0} - INFINITY) & past_end));     \
-                memcpy(row + t0, &score, sizeof score);                                                        \
-                top = (floats)(((ints)top & (ints)(top >= score)) | ((ints)score & (ints)(top < score)));      \
-            }                                                                                                  \
-            float highest = -INFINITY; /* softmax: e^(score - highest), then divided by their sum */           \
-            for (int p = 0; p < LANES; ++p) highest = top[p] > highest ? top[p] : highest;                     \
-            floats total = {0};                                                                                \
-            for (int64_t t0 = 0; t0 < span; t0 += LANES) {                                                     \
-                const floats e = exp_lanes(lanes_fp32(row + t0) - highest);                                    \
-                total += e;                                                                                    \
-                memcpy(row + t0, &e, sizeof e);                                                                \
-            }                                                                                                  \
-            float sum = 0.f;                                                                                   \
-            for (int p = 0; p < LANES; ++p) sum += total[p];                                                   \
-            const float inverse = 1.f / sum;                                                                   \
-            floats output[MOST_PAIRS][2], first, second; /* the values, weighted */                            \
-            for (int64_t c = 0; c < pairs; ++c) output[c][0] = output[c][1] = (floats){0};                     \
-            float *o = out + h * head_dim;                                                                     \
-            for (int64_t d = vector_end; d < head_dim; ++d) o[d] = 0.f;                                        \
-            for (int64_t t = 0; t < n; ++t) {                                                                  \
-                const float weight = row[t] * inverse;                                                         \
-                const T *vh = v + where[t] + h / group * head_dim;                                             \
-                if (AHEAD && h == 0 && t + AHEAD < n) prefetch_row(v + where[t + AHEAD], row_bytes);           \
-                for (int64_t c = 0; c < pairs; ++c) {                                                          \
-                    pair_##KIND(vh + c * 2 * LANES, &first, &second);                                          \
-                    output[c][0] += weight * first;                                                            \
-                    output[c][1] += weight * second;                                                           \
-                }                                                                                              \
-                for (int64_t d = vector_end; d < head_dim; ++d) o[d] += weight * LOAD(vh[d]);                  \
-            }                                                                                                  \
-            for (int64_t c = 0; c < pairs; ++c) join_##KIND(o + c * 2 * LANES, output[c][0], output[c][1]);   \
-        }                                                                                                      \
+#define ATTEND_HEADS(NAME, T, LOAD, KIND)                                                                                \
+    static inline __attribute__((always_inline)) void NAME(                                                              \
+        const float *q, int64_t head_stride, const T *k, const T *v, int64_t n, int64_t first_head, int64_t count,       \
+        int64_t kv, int64_t head_dim, int64_t row_bytes, int first_pass, float scale, float *logits,                     \
+        const int64_t *where, float *out) {                                                                              \
+        const int64_t pairs = head_dim < 256 ? head_dim / (2 * LANES) : MOST_PAIRS;                                      \
+        const int64_t vector_end = pairs * 2 * LANES;                                                                    \
+        const int64_t span = (n + LANES - 1) / LANES * LANES; /* a head's scores, padded to whole vectors */             \
+        const int64_t offset = kv * head_dim; /* where key/value head kv lies in a position's row */                     \
+        floats query[TOGETHER][MOST_PAIRS][2], top[TOGETHER], first, second; /* top: the highest score, lane by lane */  \
+        for (int64_t i = 0; i < count; ++i) {                                                                            \
+            top[i] = (floats){0} - INFINITY;                                                                             \
+            for (int64_t c = 0; c < pairs; ++c)                                                                          \
+                split_##KIND(q + (first_head + i) * head_stride + c * 2 * LANES, &query[i][c][0], &query[i][c][1]);      \
+        }                                                                                                                \
+        for (int64_t t0 = 0; t0 < n; t0 += LANES) { /* scores, LANES positions at a time */                              \
+            const int64_t m = n - t0 < LANES ? n - t0 : LANES;                                                           \
+            floats part[TOGETHER][LANES];                                                                                \
+            float tail[TOGETHER][LANES];                                                                                 \
+            for (int64_t p = 0; p < LANES; ++p) {                                                                        \
+                const int64_t t = t0 + p;                                                                                \
+                for (int64_t i = 0; i < count; ++i) {                                                                    \
+                    part[i][p] = (floats){0};                                                                            \
+                    tail[i][p] = 0.f;                                                                                    \
+                }                                                                                                        \
+                if (p < m) {                                                                                             \
+                    if (AHEAD && first_pass && t + AHEAD < n) prefetch_row(k + where[t + AHEAD], row_bytes);             \
+                    const T *kh = k + where[t] + offset;                                                                 \
+                    for (int64_t c = 0; c < pairs; ++c) {                                                                \
+                        pair_##KIND(kh + c * 2 * LANES, &first, &second);                                                \
+                        for (int64_t i = 0; i < count; ++i) part[i][p] += query[i][c][0] * first + query[i][c][1] * second; \
+                    }                                                                                                    \
+                    for (int64_t d = vector_end; d < head_dim; ++d)                                                      \
+                        for (int64_t i = 0; i < count; ++i) tail[i][p] += q[(first_head + i) * head_stride + d] * LOAD(kh[d]); \
+                }                                                                                                        \
+            }                                                                                                            \
+            const ints past_end = LANE_INDEX >= (int32_t)m; /* beyond the row: score -inf, weight 0 */                   \
+            for (int64_t i = 0; i < count; ++i) {                                                                        \
+                floats score = (sum_lanes(part[i]) + lanes_fp32(tail[i])) * scale;                                       \
+                score = (floats)(((ints)score & ~past_end) | ((ints)((floats){0} - INFINITY) & past_end));               \
+                memcpy(logits + (first_head + i) * span + t0, &score, sizeof score);                                     \
+                top[i] = (floats)(((ints)top[i] & (ints)(top[i] >= score)) | ((ints)score & (ints)(top[i] < score)));    \
+            }                                                                                                            \
+        }                                                                                                                \
+        float inverse[TOGETHER];                                                                                         \
+        for (int64_t i = 0; i < count; ++i) { /* softmax: e^(score - highest), then divided by their sum */              \
+            float *row = logits + (first_head + i) * span, highest = -INFINITY;                                          \
+            for (int p = 0; p < LANES; ++p) highest = top[i][p] > highest ? top[i][p] : highest;                         \
+            floats total = {0};                                                                                          \
+            for (int64_t t0 = 0; t0 < span; t0 += LANES) {                                                               \
+                const floats e = exp_lanes(lanes_fp32(row + t0) - highest);                                              \
+                total += e;                                                                                              \
+                memcpy(row + t0, &e, sizeof e);                                                                          \
+            }                                                                                                            \
+            float sum = 0.f;                                                                                             \
+            for (int p = 0; p < LANES; ++p) sum += total[p];                                                             \
+            inverse[i] = 1.f / sum;                                                                                      \
+        }                                                                                                                \
+        floats output[TOGETHER][MOST_PAIRS][2]; /* the values, weighted */                                               \
+        for (int64_t i = 0; i < count; ++i) {                                                                            \
+            for (int64_t c = 0; c < pairs; ++c) output[i][c][0] = output[i][c][1] = (floats){0};                         \
+            for (int64_t d = vector_end; d < head_dim; ++d) out[(first_head + i) * head_dim + d] = 0.f;                  \
+        }                                                                                                                \
+        for (int64_t t = 0; t < n; ++t) {                                                                                \
+            float weight[TOGETHER];                                                                                      \
+            for (int64_t i = 0; i < count; ++i) weight[i] = logits[(first_head + i) * span + t] * inverse[i];            \
+            const T *vh = v + where[t] + offset;                                                                         \
+            if (AHEAD && first_pass && t + AHEAD < n) prefetch_row(v + where[t + AHEAD], row_bytes);                     \
+            for (int64_t c = 0; c < pairs; ++c) {                                                                        \
+                pair_##KIND(vh + c * 2 * LANES, &first, &second);                                                        \
+                for (int64_t i = 0; i < count; ++i) {                                                                    \
+                    output[i][c][0] += weight[i] * first;                                                                \
+                    output[i][c][1] += weight[i] * second;                                                               \
+                }                                                                                                        \
+            }                                                                                                            \
+            for (int64_t d = vector_end; d < head_dim; ++d)                                                              \
+                for (int64_t i = 0; i < count; ++i) out[(first_head + i) * head_dim + d] += weight[i] * LOAD(vh[d]);     \
+        }                                                                                                                \
+        for (int64_t i = 0; i < count; ++i)                                                                              \
+            for (int64_t c = 0; c < pairs; ++c)                                                                          \
+                join_##KIND(out + (first_head + i) * head_dim + c * 2 * LANES, output[i][c][0], output[i][c][1]);        \
+    }
+
+/* One row's attention, key/value head after key/value head, its group's query heads TOGETHER at a time. */
+#define ATTEND_ROW(NAME, T, LOAD, KIND)                                                                                  \
+    ATTEND_HEADS(NAME##_heads, T, LOAD, KIND)                                                                            \
+    static inline __attribute__((always_inline)) void NAME(                                                              \
+        const float *q, int64_t head_stride, const T *k, const T *v, const int32_t *table, int64_t n,                    \
+        int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block, float scale, float *logits,                    \
+        int64_t *where, float *out) {                                                                                    \
+        const int64_t stride = kv_heads * head_dim, row_bytes = stride * (int64_t)sizeof(T);                             \
+        const int64_t group = heads / kv_heads; /* query heads per key/value head */                                     \
+        for (int64_t t = 0, b = 0; t < n; ++b) /* each position's row in a plane, block by block */                      \
+            for (int64_t j = 0, base = (int64_t)table[b] * block; j < block && t < n; ++j, ++t)                          \
+                where[t] = (base + j) * stride;                                                                          \
+        for (int64_t kv = 0; kv < kv_heads; ++kv)                                                                        \
+            for (int64_t h = kv * group; h < (kv + 1) * group; h += TOGETHER) {                                          \
+                const int64_t count = (kv + 1) * group - h < TOGETHER ? (kv + 1) * group - h : TOGETHER;                 \
+                const int first_pass = h == 0; /* the first pass asks for every row's cache lines ahead */               \
+                switch (count) { /* each count its own code, the heads' loops unrolled */                                \
+                case 1: NAME##_heads(q, head_stride, k, v, n, h, 1, kv, head_dim, row_bytes, first_pass, scale, logits, where, out); break; \
+                case 2: NAME##_heads(q, head_stride, k, v, n, h, 2, kv, head_dim, row_bytes, first_pass, scale, logits, where, out); break; \
+                case 3: NAME##_heads(q, head_stride, k, v, n, h, 3, kv, head_dim, row_bytes, first_pass, scale, logits, where, out); break; \
+                default: NAME##_heads(q, head_stride, k, v, n, h, 4, kv, head_dim, row_bytes, first_pass, scale, logits, where, out); \
+                }                                                                                                        \
+            }                                                                                                            \
     }
 
 #define PAGED_DECODE(NAME, T, LOAD, KIND, STORE)                                                             \
