@@ -310,12 +310,27 @@ static inline void prefetch_row(const void *row, int64_t bytes) {
             for (int64_t h = kv * group; h < (kv + 1) * group; h += TOGETHER) {                                          \
                 const int64_t count = (kv + 1) * group - h < TOGETHER ? (kv + 1) * group - h : TOGETHER;                 \
                 const int first_pass = h == 0; /* the first pass asks for every row's cache lines ahead */               \
-                switch (count) { /* each count its own code, the heads' loops unrolled */                                \
-                case 1: NAME##_heads(q, head_stride, k, v, n, h, 1, kv, head_dim, row_bytes, first_pass, scale, logits, where, out); break; \
-                case 2: NAME##_heads(q, head_stride, k, v, n, h, 2, kv, head_dim, row_bytes, first_pass, scale, logits, where, out); break; \
-                case 3: NAME##_heads(q, head_stride, k, v, n, h, 3, kv, head_dim, row_bytes, first_pass, scale, logits, where, out); break; \
-                default: NAME##_heads(q, head_stride, k, v, n, h, 4, kv, head_dim, row_bytes, first_pass, scale, logits, where, out); \
-                }                                                                                                        \
+                if (head_dim == 64) { /* GPT-2's every size and SmolLM2's: each count its own code, widths known */      \
+                    switch (count) {                                                                                     \
+                    case 1:                                                                                              \
+                        NAME##_heads(q, head_stride, k, v, n, h, 1, kv, 64, row_bytes, first_pass, scale, logits,        \
+                                     where, out);                                                                        \
+                        break;                                                                                           \
+                    case 2:                                                                                              \
+                        NAME##_heads(q, head_stride, k, v, n, h, 2, kv, 64, row_bytes, first_pass, scale, logits,        \
+                                     where, out);                                                                        \
+                        break;                                                                                           \
+                    case 3:                                                                                              \
+                        NAME##_heads(q, head_stride, k, v, n, h, 3, kv, 64, row_bytes, first_pass, scale, logits,        \
+                                     where, out);                                                                        \
+                        break;                                                                                           \
+                    default:                                                                                             \
+                        NAME##_heads(q, head_stride, k, v, n, h, 4, kv, 64, row_bytes, first_pass, scale, logits,        \
+                                     where, out);                                                                        \
+                    }                                                                                                    \
+                } else /* any other width: the same code, read at run time */                                            \
+                    NAME##_heads(q, head_stride, k, v, n, h, count, kv, head_dim, row_bytes, first_pass, scale, logits,  \
+                                 where, out);                                                                            \
             }                                                                                                            \
     }
 
@@ -341,12 +356,8 @@ static inline void prefetch_row(const void *row, int64_t bytes) {
             const float *qr = q + r * token_stride;                                                             \
             const int32_t *table = tables + r * width;                                                          \
             float *o = out + r * out_stride;                                                                    \
-            if (head_dim == 64) /* GPT-2's every size and SmolLM2's: the same code with the width known */      \
-                NAME##_row(qr, head_stride, k, v, table, lens[r], heads, kv_heads, 64, block, scale, logits,    \
-                           where, o);                                                                           \
-            else                                                                                                \
-                NAME##_row(qr, head_stride, k, v, table, lens[r], heads, kv_heads, head_dim, block, scale,      \
-                           logits, where, o);                                                                   \
+            NAME##_row(qr, head_stride, k, v, table, lens[r], heads, kv_heads, head_dim, block, scale, logits,      \
+                       where, o);                                                                   \
         }                                                                                                       \
     }
 
