@@ -7,7 +7,9 @@ at once, so request-level batches pad them and chapter 8 runs them in one packed
 Ray cluster, Serve's proxy and one replica of chapter 8's server, each replica loading the model
 itself) answers the same questions through the proxy, in the slow suite: Ray's start and the
 replica's load take most of a minute. Chapters 2, 6 and 7, which run the model as the chapter before them does,
-are in the slow suite too, for the fast suite's time.
+are in the slow suite too, for the fast suite's time. Chapter 8 is started with ``--attention kernel``: at ``auto`` a
+fresh start (as every run of the suite is) first times each attention backend over whole steps of the real model, most
+of the start; the rule is tested on the default model, and each backend's tokens on this one in ``test_ch08_llama``.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ def chat_cases(smollm2, llama_oracle) -> list[tuple[dict, list[int], list[int]]]
 
 @pytest.fixture(scope="module", params=SERVED)
 def real_model_server(request, server, chat_cases) -> Iterator[RunningServer]:
-    with server(request.param, "--weights", "smollm2", *oracle_exact_args(request.param)) as running:
+    attention = ("--attention", "kernel") if request.param == "ch08" else ()  # module docstring
+    with server(request.param, "--weights", "smollm2", *oracle_exact_args(request.param), *attention) as running:
         yield running
 
 

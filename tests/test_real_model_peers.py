@@ -187,6 +187,46 @@ def test_both_engine_loops_draw_the_same_prompts_and_the_block_divides_the_media
     intel, epyc = block.split("**Xeon, AVX512, bf16**")[1], block.split("**EPYC, AVX2, fp32**")[1]
     assert "engine-loops-avx2.json" in epyc.split("**")[0] and "| ch08 | 11.00 | 990 | 2.00× (2.00, 2.50, 1.50) |" in epyc
     assert block.index("EPYC") > block.index("Xeon") and "engine-loops-avx2" not in intel.split("**")[0]
+    assert "in cohorts of up to 64" in intel.split("**")[0]  # these files count finished requests only
+
+
+def test_the_engine_loop_counts_requests_between_its_windows_first_and_last_finishing_steps(monkeypatch) -> None:
+    from benchmarks.studies.real_model_peers import engine_loops
+
+    now = [0.0]  # the loop's clock, moved on by each step: 1/50 s a step, so the test is exact
+    monkeypatch.setattr(engine_loops.time, "perf_counter", lambda: now[0])
+    steps = iter(range(10**9))
+
+    def step() -> tuple[int, int]:  # a cohort of 64 finishes every 50th step: one a second
+        now[0] += 1 / 50
+        return (64 if next(steps) % 50 == 49 else 0), 64
+
+    record = engine_loops.closed_loop(step, lambda prompt: None, 3.5, None, str)
+    # 64 requests/s between finishes, where the window's own count (3 cohorts in 3.5 s) says 55
+    assert record["requests_per_s"] == pytest.approx(64.0) and record["finished"] == 192
+    assert record["finished_per_s"] == pytest.approx(192 / 3.5, rel=0.01)
+    warm_up_only = iter([(64, 64), (64, 64)])  # two cohorts finish, then none in the window
+    with pytest.raises(RuntimeError, match="lengthen --seconds"):
+        engine_loops.closed_loop(lambda: next(warm_up_only, (0, 64)), lambda prompt: None, 0.5, None, str)
+
+
+def test_an_engine_loops_file_counted_between_finishes_is_tabled_so(tmp_path: Path) -> None:
+    from benchmarks.report.peer_blocks import REAL_MODEL_ENGINE_LOOPS, real_model_engine_loops_block
+
+    def run(engine: str, rate: float) -> dict:
+        return {"engine": engine, "label": engine, "requests_per_s": rate, "finished_per_s": 6.4, "tokens_per_s": 576.0,
+                "generated_per_s": rate * 32}
+
+    runs = {"ch08-fused": [run("ch08-fused", r) for r in (7.0, 8.0, 7.5)], "vllm": [run("vllm", r) for r in (6.0, 6.5, 6.25)]}
+    document = {"runs": runs, "over_vllm": {"ch08-fused": 1.2}, "over_vllm_each_round": {"ch08-fused": [1.17, 1.23, 1.2]},
+                "cpu": "EPYC, AVX512", "dtype": "bf16", "seconds": 30, "server_cores": [0], "running": 64, "new_tokens": 32,
+                "prompt_lengths": [16, 32], "command": "c", "requests_counted": "between finishes"}
+    path = (tmp_path / REAL_MODEL_ENGINE_LOOPS).with_name("engine-loops-avx512.json")
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(document))
+    block = real_model_engine_loops_block(tmp_path)
+    assert "| engine | requests/s (between finishes) | tokens generated/s |" in block and "counts whole ones" in block
+    assert "| ch08-fused | 7.50 | 240 | 1.20× (1.17, 1.23, 1.20) |" in block and "| vllm | 6.25 | 200 | — |" in block
 
 
 def test_the_engine_loops_refuse_a_comparison_without_vllm_in_one_line(capsys) -> None:

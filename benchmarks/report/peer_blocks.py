@@ -150,8 +150,8 @@ REAL_MODEL_ENGINE_LOOPS = "real-model-peers/engine-loops.json"  # one file per k
 
 def real_model_engine_loops_block(directory: Path) -> str:
     """Chapter 8's engine and vLLM's, each in its own closed loop with no HTTP (``engine_loops compare``), one table per
-    file (CPU): requests and tokens per second of the median round, chapter 8's over vLLM's (the ratio of medians, then
-    round by round)."""
+    file (CPU): requests per second of the median round, chapter 8's over vLLM's (the ratio of medians, then round by
+    round)."""
     first = directory / REAL_MODEL_ENGINE_LOOPS
     paths = sorted(first.parent.glob(f"{first.stem}*.json"), key=lambda path: (path != first, path.name))
     if not paths:
@@ -161,15 +161,25 @@ def real_model_engine_loops_block(directory: Path) -> str:
 
 
 def _engine_loops_table(path: Path) -> str:
+    """One file's table. Newer files count requests between the window's first and last finishing steps (whole cohorts,
+    ``engine_loops.closed_loop``); an older file counted every request finished in the window, and says what that resolves."""
     document = json.loads(path.read_text())
-    lines = [f"**{document['cpu']}, {document['dtype']}**", "",
-             "| engine | requests/s | tokens computed/s | it / vLLM (each round) |", "|---|---|---|---|"]
+    between = document.get("requests_counted") == "between finishes"
+    header = ("| engine | requests/s (between finishes) | tokens generated/s | it / vLLM (each round) |" if between
+              else "| engine | requests/s | tokens computed/s | it / vLLM (each round) |")
+    lines = [f"**{document['cpu']}, {document['dtype']}**", "", header, "|---|---|---|---|"]
     for engine, runs in document["runs"].items():
         median = sorted(runs, key=lambda run: run["requests_per_s"])[len(runs) // 2]
         ratio = "—" if engine == "vllm" else (f"{document['over_vllm'][engine]:.2f}× ("
                                               + ", ".join(f"{r:.2f}" for r in document["over_vllm_each_round"][engine]) + ")")
-        lines.append(f"| {median['label']} | {median['requests_per_s']:.2f} | {median['tokens_per_s']:,.0f} | {ratio} |")
+        second = f"{median['generated_per_s']:,.0f}" if between else f"{median['tokens_per_s']:,.0f}"
+        lines.append(f"| {median['label']} | {median['requests_per_s']:.2f} | {second} | {ratio} |")
+    counted = (" Requests counted from the window's first step that finished any to its last, over the time between: the "
+               "loop's requests (all of one length) finish in cohorts, and this counts whole ones." if between else
+               " Counted as every request finished in the window; the loop's requests (all of one length) finish in cohorts "
+               f"of up to {document['running']}, so a round's count, and each ratio, moves in steps of a cohort (newer files "
+               "count between finishes).")
     return ("\n".join(lines) + f"\n\nFrom `{repo_path(path)}`: {len(document['runs']['vllm'])} rounds of "
             f"{document['seconds']:g} s each, the engines in turns, each in a fresh process pinned to core(s) "
             f"{document['server_cores']}; {document['running']} requests running, {document['new_tokens']} new tokens, "
-            f"prompts of {'/'.join(map(str, document['prompt_lengths']))} random ids. Reproduce: `{document['command']}`.")
+            f"prompts of {'/'.join(map(str, document['prompt_lengths']))} random ids.{counted} Reproduce: `{document['command']}`.")

@@ -5,7 +5,8 @@ Both loops keep 64 sequences running and replace each one that finishes at once 
 ``LLMEngine.add_request`` and ``step``), from the same seeded requests: the ``default`` workload's random ids, prompts of
 16, 32, 64 or 128 tokens, 32 new tokens, greedy (vLLM told to ignore the end of sequence, as chapter 8's completions do).
 Each loop is warmed up (:data:`WARM_UP_FINISHED` requests), then timed over ``--seconds``; chapter 8 at its served
-settings for the real model (the start-up rule's attention; ``ch08-compiled``: its blocks compiled, :mod:`.compiled_blocks`), vLLM at
+settings for the real model (the start-up rule's attention; ``ch08-compiled``: its blocks compiled, :mod:`.compiled_blocks`;
+``ch08-fused``: their element-wise work in C passes, :mod:`.fused_blocks`), vLLM at
 its CPU defaults; both at ``--dtype`` (bf16: chapter 8's ``--precision bf16``, vLLM's bfloat16; fp32 where the CPU has
 no bf16 arithmetic and emulates it). One process per run, pinned to the server's core (``VLLM_CPU_OMP_THREADS_BIND``
 for vLLM, one torch thread for chapter 8)::
@@ -39,7 +40,7 @@ PROMPT_LENGTHS = (16, 32, 64, 128)
 NEW_TOKENS = 32
 WARM_UP_FINISHED = 128
 SERVER_CORES = [0]
-ENGINES = ("ch08", "ch08-compiled", "vllm")
+ENGINES = ("ch08", "ch08-compiled", "ch08-fused", "vllm")
 DTYPES = {"bf16": ("bf16", "bfloat16"), "fp32": ("fp32", "float32")}  # --dtype: (chapter 8's --precision, vLLM's --dtype)
 
 
@@ -50,35 +51,50 @@ def requests(seed: int = 0, vocab: int = 256) -> Iterator[list[int]]:
         yield [rng.randrange(vocab) for _ in range(rng.choice(PROMPT_LENGTHS))]
 
 
-def closed_loop(step: Callable[[], int], add: Callable[[list[int]], None], seconds: float, profile: Path | None,
+def closed_loop(step: Callable[[], tuple[int, int]], add: Callable[[list[int]], None], seconds: float, profile: Path | None,
                 table: Callable[[object], str]) -> dict:
-    """Keep RUNNING requests in flight (``add`` one, ``step`` returns how many finished), warm up, then time ``seconds``."""
+    """Keep RUNNING requests in flight (``add`` one; ``step`` returns how many finished and how many tokens it generated),
+    warm up, then time ``seconds``.
+
+    Every request asks for the same NEW_TOKENS, so requests that start together finish together: they finish in cohorts
+    of up to RUNNING, and a window's count of finished requests moves in such steps whatever the engine's speed, as its
+    count of generated tokens moves with where in a cohort's life the window begins and ends. ``requests_per_s`` is
+    therefore counted between finishes: the requests finished after the window's first finishing step up to its last,
+    over the time between those two steps, a whole number of cohorts' lives."""
     prompts = requests()
     for _ in range(RUNNING):
         add(next(prompts))
 
-    def turn_until(stop: Callable[[int, float], bool]) -> tuple[int, int, float]:
-        finished, tokens, started = 0, 0, time.perf_counter()
+    def turn_until(stop: Callable[[int, float], bool]) -> dict:
+        finished = generated = tokens = 0
+        first = last = None  # (finished so far, seconds) at the window's first and last finishing steps
+        started = time.perf_counter()
         while not stop(finished, time.perf_counter() - started):
-            done = step()
-            finished += done
+            done, new = step()
+            finished, generated = finished + done, generated + new
+            if done:
+                last = (finished, time.perf_counter() - started)
+                first = first or last
             for _ in range(done):
                 prompt = next(prompts)
                 tokens += len(prompt) + NEW_TOKENS
                 add(prompt)
-        return finished, tokens, time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        if not first or last[1] <= first[1]:
+            raise RuntimeError(f"fewer than two steps finished requests in {elapsed:.0f} s: lengthen --seconds")
+        between = (last[0] - first[0]) / (last[1] - first[1])
+        return {"finished": finished, "seconds": round(elapsed, 3), "requests_per_s": round(between, 3),
+                "finished_per_s": round(finished / elapsed, 3), "tokens_per_s": round(tokens / elapsed, 1),
+                "generated_per_s": round(generated / elapsed, 1)}
 
     turn_until(lambda finished, _: finished >= WARM_UP_FINISHED)
-    finished, tokens, elapsed = turn_until(lambda _, elapsed: elapsed >= seconds)
-    record = {"finished": finished, "seconds": round(elapsed, 3), "requests_per_s": round(finished / elapsed, 3),
-              "tokens_per_s": round(tokens / elapsed, 1)}
+    record = turn_until(lambda _, elapsed: elapsed >= seconds)
     if profile is not None:
         import torch
 
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as operators:
             profiled = turn_until(lambda _, elapsed: elapsed >= seconds)
-        profile.write_text(f"{json.dumps(record)}\n(profiled: {profiled[0]} requests in {profiled[2]:.1f} s)\n"
-                           + table(operators) + "\n")
+        profile.write_text(f"{json.dumps(record)}\n(profiled: {json.dumps(profiled)})\n" + table(operators) + "\n")
     return record
 
 
@@ -86,26 +102,27 @@ def _table(operators) -> str:
     return operators.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
 
 
-def run_ch08(seconds: float, profile: Path | None, dtype: str, compiled_blocks: bool) -> dict:
+def run_ch08(seconds: float, profile: Path | None, dtype: str, engine: str) -> dict:
     import torch
 
     from benchmarks.studies.ch08_step_profile.profile_ch08 import closed_loop as ch08_loop
     from chapters.ch08_continuous_batching.sampling import GREEDY
     from chapters.ch08_continuous_batching.scheduler import Sequence
 
-    loop = ch08_loop("auto", DTYPES[dtype][0], "default", weights="smollm2", compiled_blocks=compiled_blocks)  # warmed up
+    blocks = engine.removeprefix("ch08").removeprefix("-") or "eager"
+    loop = ch08_loop("auto", DTYPES[dtype][0], "default", weights="smollm2", blocks=blocks)  # warmed up
     scheduler = loop.engine.scheduler
     while scheduler.running or scheduler.waiting:  # drained, so both loops start from RUNNING of the same requests
         loop.engine.step()
 
-    def step() -> int:
-        before = scheduler.stats.finished
+    def step() -> tuple[int, int]:
+        finished, generated = scheduler.stats.finished, scheduler.stats.tokens_generated
         loop.engine.step()
-        return scheduler.stats.finished - before
+        return scheduler.stats.finished - finished, scheduler.stats.tokens_generated - generated
 
     record = closed_loop(step, lambda prompt: scheduler.add(Sequence(prompt, NEW_TOKENS, sampling=GREEDY)), seconds,
                          profile, _table)
-    return {"engine": "ch08-compiled" if compiled_blocks else "ch08", "label": loop.label, "torch": torch.__version__, **record}
+    return {"engine": engine, "label": loop.label, "torch": torch.__version__, **record}
 
 
 def run_vllm(seconds: float, profile: Path | None, dtype: str) -> dict:
@@ -116,8 +133,18 @@ def run_vllm(seconds: float, profile: Path | None, dtype: str) -> dict:
     llm = LLM(model=str(HF_DIR), dtype=DTYPES[dtype][1], max_model_len=512, max_num_seqs=RUNNING, seed=0)
     engine, params, ids = llm.llm_engine, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True), iter(range(10**9))
 
-    def step() -> int:
-        return sum(output.finished for output in engine.step())
+    tokens_so_far: dict[str, int] = {}  # each running request's output length at its last step (outputs are cumulative)
+
+    def step() -> tuple[int, int]:
+        finished = generated = 0
+        for output in engine.step():
+            count = len(output.outputs[0].token_ids)
+            generated += count - tokens_so_far.get(output.request_id, 0)
+            tokens_so_far[output.request_id] = count
+            if output.finished:
+                finished += 1
+                del tokens_so_far[output.request_id]
+        return finished, generated
 
     record = closed_loop(step, lambda prompt: engine.add_request(str(next(ids)), TokensPrompt(prompt_token_ids=prompt), params),
                          seconds, profile, _table)
@@ -152,7 +179,7 @@ def compare(rounds: int, seconds: float, dtype: str, engines: tuple[str, ...], c
     return {"kind": "engine-loops", "command": command, "cpu": cpu_description(), "dtype": dtype, "running": RUNNING,
             "new_tokens": NEW_TOKENS, "prompt_lengths": list(PROMPT_LENGTHS), "seconds": seconds, "server_cores": SERVER_CORES,
             "environments": {engine: _environment(engine) for engine in engines}, "runs": runs,
-            "median_requests_per_s": medians,
+            "median_requests_per_s": medians, "requests_counted": "between finishes",
             "over_vllm": {engine: round(medians[engine] / medians["vllm"], 3) for engine in chapter8},
             "over_vllm_each_round": {engine: [round(a["requests_per_s"] / b["requests_per_s"], 3)
                                               for a, b in zip(runs[engine], runs["vllm"])] for engine in chapter8}}
@@ -175,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.command == "run":
         result = (run_vllm(args.seconds, args.profile, args.dtype) if args.engine == "vllm"
-                  else run_ch08(args.seconds, args.profile, args.dtype, compiled_blocks=args.engine == "ch08-compiled"))
+                  else run_ch08(args.seconds, args.profile, args.dtype, args.engine))
         print(json.dumps(result))
         return
     engines = tuple(engine for engine in ENGINES if engine in args.engines)
