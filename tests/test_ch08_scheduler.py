@@ -255,7 +255,9 @@ def test_the_in_place_backends_give_the_oracles_tokens_under_chunked_prefill_and
     assert scheduler.stats.preemptions > 0
 
 
-@pytest.mark.parametrize("attention", ["gather", "kernel"])
+# gather over blocks of 128 pads every row to whole large blocks, the slowest case of the fast suite: it runs with make
+# test-slow, while the kernel runs the server's block here and gather keeps its own tests on smaller blocks.
+@pytest.mark.parametrize("attention", [pytest.param("gather", marks=pytest.mark.slow), "kernel"])
 def test_the_servers_blocks_of_128_give_the_oracles_tokens_under_chunked_prefill_and_preemption(default_model, oracle, attention: str) -> None:
     # the server's default block: a prompt chunk and a history then share one block, and a preempted
     # sequence gives back a few large blocks
