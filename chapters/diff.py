@@ -43,7 +43,7 @@ READING_ORDER: dict[str, tuple[str, ...]] = {
     "ch02": ("api.py",),
     "ch03": ("batcher.py", "step_loop.py", "batched_generation.py"),
     "ch04": ("memory_pool.py", "admission.py", "pooled_backend.py", "memory_report.py"),
-    "ch05": ("engine.py", "bf16_matmul.py", "engines.py", "compiled_engine.py", "cudagraph_engine.py",
+    "ch05": ("engine.py", "bf16_matmul.py", "fused_blocks.py", "fused_block_ops.c", "native_library.py", "engines.py", "compiled_engine.py", "cudagraph_engine.py",
              "onnx_engine.py", "tensorrt_engine.py"),
     "ch06": ("adaptive_window.py", "tuned.json"),
     "ch07": ("health.py", "drain.py", "deadlines.py", "metrics.py", "request_log.py", "model_registry.py",

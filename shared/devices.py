@@ -54,3 +54,17 @@ def processor_name(device: torch.device) -> str:
             if line.lower().startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
+
+
+# Vector widths and matrix units: other flags (virtualization, mitigations) differ between identical machines, missing the cache.
+RELEVANT_CPU_FLAGS = ("avx", "amx", "fma", "f16c", "sse4", "asimd", "sve", "neon", "bf16", "fp16")
+
+
+def cpu_flags(every: bool = False) -> list[str]:
+    """The CPU's feature flags that a measured choice depends on (:data:`RELEVANT_CPU_FLAGS`), or ``every`` one, sorted."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return [platform.machine()]
+    line = next((line for line in text.splitlines() if line.lower().startswith(("flags", "features"))), ":")
+    return sorted({flag for flag in line.split(":", 1)[1].split() if every or flag.startswith(RELEVANT_CPU_FLAGS)})

@@ -39,6 +39,7 @@ from chapters.ch05_inference_engine.bf16_matmul import (
 from chapters.ch05_inference_engine.cudagraph_engine import CudaGraphEngine
 from chapters.ch05_inference_engine.engine import ConversionReport, Engine, TorchModuleEngine, build_eager
 from chapters.ch05_inference_engine.engines import build_engine, choose_default, unavailable_reason
+from chapters.ch05_inference_engine.fused_blocks import with_fused_blocks
 from shared.generation import reference_greedy
 from shared.model import FAMILIES, PRESETS, DecoderModel, DynamicKVCache, build_model, init_weights
 from shared.paths import REPO_ROOT
@@ -121,9 +122,11 @@ def teacher_forced_agreement(engine: Engine, prompts: list[list[int]], reference
 
 
 def bf16_everywhere(model: DecoderModel) -> TorchModuleEngine:
-    """Eager bf16 with every block product in bf16 (from one row): the most rounding this path can do,
-    on any CPU (the measured crossover could keep a decode step's few rows fp32)."""
-    module = with_bf16_matmuls(copy.deepcopy(model), min_rows=1)
+    """Eager bf16 with every block product in bf16 (from one row) and the element-wise work between them in the fused
+    C passes, as the bf16 engine builds a Llama: the most rounding this path can do, on any CPU (the measured crossover
+    could keep a decode step's few rows fp32)."""
+    module = with_fused_blocks(with_bf16_matmuls(copy.deepcopy(model), min_rows=1))
+    assert module.fusion_missing is None, module.fusion_missing
     return TorchModuleEngine("eager", "bf16", module, model.config, model.device, torch.float32, ConversionReport())
 
 

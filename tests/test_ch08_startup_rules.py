@@ -236,6 +236,7 @@ def test_the_attention_choice_is_keyed_by_the_caches_dtype(cache, monkeypatch) -
 
 @pytest.mark.parametrize("change", ["source", "cpu flags", "compiler"])
 def test_the_kernels_build_is_named_for_its_source_flags_compiler_and_cpu(cache, monkeypatch, change) -> None:
+    from chapters.ch05_inference_engine import native_library
     from chapters.ch08_continuous_batching.fast import attention_kernel
 
     before = attention_kernel.kernel_target("cc", cache)
@@ -244,6 +245,6 @@ def test_the_kernels_build_is_named_for_its_source_flags_compiler_and_cpu(cache,
         edited.write_text(attention_kernel.KERNEL_SOURCE.read_text() + "\n")
         monkeypatch.setattr(attention_kernel, "KERNEL_SOURCE", edited)
     elif change == "cpu flags":
-        monkeypatch.setattr(attention_kernel, "cpu_flags", lambda every=False: ["sse2"])
+        monkeypatch.setattr(native_library, "cpu_flags", lambda every=False: ["sse2"])
     after = attention_kernel.kernel_target("gcc" if change == "compiler" else "cc", cache)
     assert after != before and after.parent == before.parent == cache

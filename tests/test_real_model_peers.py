@@ -160,6 +160,19 @@ def test_the_block_says_not_measured_until_a_file_exists_then_gives_chapter_8_ov
     assert render_key("real-model-peers", {}, tmp_path, Path("README.md"), "cpu") == text
 
 
+def test_the_block_says_when_each_files_servers_were_started(tmp_path: Path) -> None:
+    """A file from before fresh starts per workload says its servers served every workload of a round from one start."""
+    (tmp_path / REAL_MODEL_PEERS_DIR).mkdir()
+    older, fresh = _peers_file({"ch08": [3.0], "vllm": [2.0]}, "whole"), _peers_file({"ch08": [3.0], "vllm": [2.0]}, "stream")
+    fresh["server_starts"] = "each round, workload and answers"
+    (tmp_path / REAL_MODEL_PEERS_DIR / "default-whole.json").write_text(json.dumps(older))
+    (tmp_path / REAL_MODEL_PEERS_DIR / "default-stream.json").write_text(json.dumps(fresh))
+    assert ("started fresh for each round, workload and answer kind in `default-stream`, and in the other files once a round"
+            in real_model_peers_block(tmp_path))
+    (tmp_path / REAL_MODEL_PEERS_DIR / "default-whole.json").unlink()
+    assert "started fresh for each round, workload and answer kind, in turns" in real_model_peers_block(tmp_path)
+
+
 def test_both_engine_loops_draw_the_same_prompts_and_the_block_divides_the_medians(tmp_path: Path) -> None:
     from itertools import islice
 
@@ -190,43 +203,60 @@ def test_both_engine_loops_draw_the_same_prompts_and_the_block_divides_the_media
     assert "in cohorts of up to 64" in intel.split("**")[0]  # these files count finished requests only
 
 
-def test_the_engine_loop_counts_requests_between_its_windows_first_and_last_finishing_steps(monkeypatch) -> None:
+def test_the_engine_loop_counts_requests_by_littles_law_not_by_cohorts_that_finish(monkeypatch) -> None:
+    from collections import deque
+
     from benchmarks.studies.real_model_peers import engine_loops
 
-    now = [0.0]  # the loop's clock, moved on by each step: 1/50 s a step, so the test is exact
+    now = [0.0]  # the loop's clock, moved on by each step: 1/64 s a step, so the test is exact
     monkeypatch.setattr(engine_loops.time, "perf_counter", lambda: now[0])
-    steps = iter(range(10**9))
+    keys, waiting, steps = iter(range(10**9)), deque(), iter(range(1, 10**9))
 
-    def step() -> tuple[int, int]:  # a cohort of 64 finishes every 50th step: one a second
-        now[0] += 1 / 50
-        return (64 if next(steps) % 50 == 49 else 0), 64
+    def add(prompt: list[int]) -> int:
+        key = next(keys)
+        waiting.append((key, step_index[0]))
+        return key
 
-    record = engine_loops.closed_loop(step, lambda prompt: None, 3.5, None, str)
-    # 64 requests/s between finishes, where the window's own count (3 cohorts in 3.5 s) says 55
-    assert record["requests_per_s"] == pytest.approx(64.0) and record["finished"] == 192
-    assert record["finished_per_s"] == pytest.approx(192 / 3.5, rel=0.01)
-    warm_up_only = iter([(64, 64), (64, 64)])  # two cohorts finish, then none in the window
+    step_index = [0]
+
+    def step() -> tuple[list[int], int]:
+        """Each request lives 32 steps (half a second): the 64 added together finish together, a cohort every 32nd
+        step, 128 requests a second."""
+        now[0] += 1 / 64
+        step_index[0] = next(steps)
+        done = []
+        while waiting and waiting[0][1] <= step_index[0] - 32:
+            done.append(waiting.popleft()[0])
+        return done, 64
+
+    record = engine_loops.closed_loop(step, add, 1.3, None, str)
+    assert record["requests_per_s"] == pytest.approx(128.0) and record["mean_life_s"] == pytest.approx(0.5)
+    assert record["finished_per_s"] != pytest.approx(128.0, rel=0.1)  # the window's own count moves by whole cohorts
+    waiting.clear()
     with pytest.raises(RuntimeError, match="lengthen --seconds"):
-        engine_loops.closed_loop(lambda: next(warm_up_only, (0, 64)), lambda prompt: None, 0.5, None, str)
+        engine_loops.closed_loop(step, add, 0.1, None, str)  # no request finishes in a tenth of a second
 
 
-def test_an_engine_loops_file_counted_between_finishes_is_tabled_so(tmp_path: Path) -> None:
+def test_an_engine_loops_file_counted_by_littles_law_is_tabled_so(tmp_path: Path) -> None:
     from benchmarks.report.peer_blocks import REAL_MODEL_ENGINE_LOOPS, real_model_engine_loops_block
+    from benchmarks.studies.real_model_peers import engine_loops
 
     def run(engine: str, rate: float) -> dict:
         return {"engine": engine, "label": engine, "requests_per_s": rate, "finished_per_s": 6.4, "tokens_per_s": 576.0,
                 "generated_per_s": rate * 32}
 
-    runs = {"ch08-fused": [run("ch08-fused", r) for r in (7.0, 8.0, 7.5)], "vllm": [run("vllm", r) for r in (6.0, 6.5, 6.25)]}
-    document = {"runs": runs, "over_vllm": {"ch08-fused": 1.2}, "over_vllm_each_round": {"ch08-fused": [1.17, 1.23, 1.2]},
-                "cpu": "EPYC, AVX512", "dtype": "bf16", "seconds": 30, "server_cores": [0], "running": 64, "new_tokens": 32,
-                "prompt_lengths": [16, 32], "command": "c", "requests_counted": "between finishes"}
+    runs = {"ch08": [run("ch08", r) for r in (7.0, 8.0, 7.5)], "vllm": [run("vllm", r) for r in (6.0, 6.5, 6.25)]}
+    document = engine_loops.summarized({"runs": runs, "cpu": "EPYC, AVX512", "dtype": "bf16", "seconds": 30, "server_cores": [0],
+                                        "running": 64, "new_tokens": 32, "prompt_lengths": [16, 32], "command": "c"})
+    assert document["over_vllm"] == {"ch08": 1.2} and document["over_vllm_each_round"] == {"ch08": [1.167, 1.231, 1.2]}
     path = (tmp_path / REAL_MODEL_ENGINE_LOOPS).with_name("engine-loops-avx512.json")
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps(document))
     block = real_model_engine_loops_block(tmp_path)
-    assert "| engine | requests/s (between finishes) | tokens generated/s |" in block and "counts whole ones" in block
-    assert "| ch08-fused | 7.50 | 240 | 1.20× (1.17, 1.23, 1.20) |" in block and "| vllm | 6.25 | 200 | — |" in block
+    assert "| engine | requests/s (running ÷ mean life) | tokens generated/s |" in block and "Little's law" in block
+    assert "| ch08 | 7.50 | 240 | 1.20× (1.17, 1.23, 1.20) |" in block and "| vllm | 6.25 | 200 | — |" in block
+    path.write_text(json.dumps({**document, "requests_counted": "between finishes"}))
+    assert "good to about a cohort" in real_model_engine_loops_block(tmp_path)
 
 
 def test_the_engine_loops_refuse_a_comparison_without_vllm_in_one_line(capsys) -> None:

@@ -93,15 +93,24 @@ def _how(runs: list[dict], folder: Path) -> str:
 REAL_MODEL_PEERS_DIR = "real-model-peers"
 REAL_MODEL_PEERS_COMMAND = ("python -m benchmarks.studies.real_model_peers.peers compare --workloads default chat "
                             "--answers whole stream --users 64 --duration-s 30 --rounds 3")
-_SERVER_NAMES = {"ch08": "chapter 8 (bf16)", "ch08-inference": "chapter 8 (bf16), `/v1/inference`",
-                 "vllm": "vLLM CPU (bf16)", "llama-f16": "llama-server F16", "llama-q4_1": "llama-server Q4_1"}
+_SERVER_NAMES = {"ch08": "chapter 8 ({ch08})", "ch08-inference": "chapter 8 ({ch08}), `/v1/inference`",
+                 "vllm": "vLLM CPU ({vllm})", "llama-f16": "llama-server F16", "llama-q4_1": "llama-server Q4_1"}
 
 
-def real_model_peers_block(directory: Path) -> str:
+def _server_name(label: str, run: dict) -> str:
+    """A row's server, with the precision its file says it ran at (chapter 8's last ``--precision``, vLLM's dtype)."""
+    servers = run.get("servers", {})
+    flags = [flag for flag in servers.get("ch08", {}).get("flags", "").split() if flag.startswith("--precision")]
+    ch08 = flags[-1].split("=", 1)[1] if flags else "bf16"
+    vllm = {"bfloat16": "bf16", "float32": "fp32"}.get(servers.get("vllm", {}).get("dtype", "bfloat16"), "bf16")
+    return _SERVER_NAMES.get(label, label).format(ch08=ch08, vllm=vllm)
+
+
+def real_model_peers_block(directory: Path, folder_name: str = REAL_MODEL_PEERS_DIR) -> str:
     """Chapter 8, vLLM's CPU backend and llama.cpp's server on SmolLM2, one row per server for each workload and
     answer kind: its median-QPS round, chapter 8's QPS over its (the ratio of medians, then round by round),
-    output tokens per second, the tails and the first tokens."""
-    folder = directory / REAL_MODEL_PEERS_DIR
+    output tokens per second, the tails and the first tokens. ``folder_name``: one folder per kind of core."""
+    folder = directory / folder_name
     runs = [json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))] if folder.exists() else []
     runs = [run for run in runs if run.get("kind") == "real-model-peers"]
     if not runs:
@@ -120,22 +129,35 @@ def real_model_peers_block(directory: Path) -> str:
             errors = sum(sum(r["errors"].values()) for r in _rounds(figures))
             short = sum(r.get("short_answers", 0) for r in _rounds(figures))
             reconnects = sum(r.get("reconnects", 0) for r in _rounds(figures))
-            lines.append(f"| `{run['workload']}` | {'streamed' if streamed else 'whole'} | {_SERVER_NAMES.get(label, label)} "
+            lines.append(f"| `{run['workload']}` | {'streamed' if streamed else 'whole'} | {_server_name(label, run)} "
                          f"| {figures['qps']:.2f} | {figures['output_tokens_per_s']:.0f} | {ratio} "
                          f"| {_seconds(figures, 'e2e_ms', 'p99'):.1f} | {ttft} | {errors}, {short}, {reconnects} |")
     return "\n".join(lines) + "\n\n" + _real_model_how(runs, folder)
+
+
+def _server_starts(runs: list[dict]) -> str:
+    """When the table's servers were started: for each round, workload and answer kind (documents that say
+    ``server_starts``), or once a round for every workload and answer kind in turn (older documents)."""
+    fresh = sorted(f"`{run['workload']}-{'stream' if run['answers'] == 'stream' else 'whole'}`" for run in runs
+                   if run.get("server_starts"))
+    if len(fresh) == len(runs):
+        return "for each round, workload and answer kind"
+    if not fresh:
+        return "each round and measured on each of its workloads and answer kinds in turn"
+    return (f"for each round, workload and answer kind in {', '.join(fresh)}, and in the other files once a round, "
+            "measured on each of its workloads and answer kinds in turn")
 
 
 def _real_model_how(runs: list[dict], folder: Path) -> str:
     """The sentence under the real model's table: the command, how each server ran, its version."""
     commands, settings, commits = _provenance(runs)
     servers = {label: server for run in runs for label, server in run["servers"].items()}
-    started = "; ".join(f"{_SERVER_NAMES.get(label, label)}: `{server.get('flags') or server.get('command')}`"
+    started = "; ".join(f"{_server_name(label, runs[0])}: `{server.get('flags') or server.get('command')}`"
                         + (f" ({', '.join(f'{k} {v}' for k, v in server['packages'].items())})" if server.get("packages") else "")
                         + (f" ({server['version']})" if server.get("version") else "")
                         for label, server in servers.items())
     return (f"Each row is one server in one file of `{repo_path(folder)}/` (`<workload>-<whole|stream>.json`): its round of "
-            "median QPS; every server is started fresh each round, in turns reversed every other round, and `each round` "
+            f"median QPS; every server is started fresh {_server_starts(runs)}, in turns reversed every other round, and `each round` "
             "pairs chapter 8's rounds with its in order. Tokens/s counts generated tokens; P99 is of the whole answer; TTFT "
             "is the first streamed token. `short answers` are answers that ended before `max_tokens`: on `chat` every server "
             "stops at the model's end of turn, on `default` the peers are sent `ignore_eos`; `reconnects`, requests sent again "
@@ -160,25 +182,40 @@ def real_model_engine_loops_block(directory: Path) -> str:
     return "\n\n".join(_engine_loops_table(path) for path in paths)
 
 
+_ENGINE_LOOPS_COUNTED = {  # each file's "requests_counted": its table's column, and the sentence on what it resolves
+    "Little's law": (
+        "requests/s (running ÷ mean life)",
+        " Requests per second by Little's law: the requests running (always {running}) over the mean life of those that "
+        "finished in the window; the loop's requests (all of one length) finish in cohorts, so a count of finished ones "
+        "moves in steps of a cohort, and a count of generated tokens with where in a cohort's life the window ends."),
+    "between finishes": (
+        "requests/s (between finishes)",
+        " Requests counted from the window's first step that finished any to its last, over the time between; where a "
+        "cohort's finishes spread over several steps this leans on how they spread, so read each ratio as good to about "
+        "a cohort (newer files count by Little's law)."),
+    None: (
+        "requests/s",
+        " Counted as every request finished in the window; the loop's requests (all of one length) finish in cohorts "
+        "of up to {running}, so a round's count, and each ratio, moves in steps of a cohort (newer files count by "
+        "Little's law)."),
+}
+
+
 def _engine_loops_table(path: Path) -> str:
-    """One file's table. Newer files count requests between the window's first and last finishing steps (whole cohorts,
-    ``engine_loops.closed_loop``); an older file counted every request finished in the window, and says what that resolves."""
+    """One file's table, its requests counted as the file says (``engine_loops.closed_loop`` counts by Little's law;
+    older files counted finished requests, and say what that resolves)."""
     document = json.loads(path.read_text())
-    between = document.get("requests_counted") == "between finishes"
-    header = ("| engine | requests/s (between finishes) | tokens generated/s | it / vLLM (each round) |" if between
-              else "| engine | requests/s | tokens computed/s | it / vLLM (each round) |")
+    column, counted = _ENGINE_LOOPS_COUNTED[document.get("requests_counted")]
+    generated = "generated_per_s" in next(iter(document["runs"].values()))[0]
+    header = f"| engine | {column} | {'tokens generated/s' if generated else 'tokens computed/s'} | it / vLLM (each round) |"
     lines = [f"**{document['cpu']}, {document['dtype']}**", "", header, "|---|---|---|---|"]
     for engine, runs in document["runs"].items():
         median = sorted(runs, key=lambda run: run["requests_per_s"])[len(runs) // 2]
         ratio = "—" if engine == "vllm" else (f"{document['over_vllm'][engine]:.2f}× ("
                                               + ", ".join(f"{r:.2f}" for r in document["over_vllm_each_round"][engine]) + ")")
-        second = f"{median['generated_per_s']:,.0f}" if between else f"{median['tokens_per_s']:,.0f}"
+        second = f"{median['generated_per_s']:,.0f}" if generated else f"{median['tokens_per_s']:,.0f}"
         lines.append(f"| {median['label']} | {median['requests_per_s']:.2f} | {second} | {ratio} |")
-    counted = (" Requests counted from the window's first step that finished any to its last, over the time between: the "
-               "loop's requests (all of one length) finish in cohorts, and this counts whole ones." if between else
-               " Counted as every request finished in the window; the loop's requests (all of one length) finish in cohorts "
-               f"of up to {document['running']}, so a round's count, and each ratio, moves in steps of a cohort (newer files "
-               "count between finishes).")
+    counted = counted.format(running=document["running"])
     return ("\n".join(lines) + f"\n\nFrom `{repo_path(path)}`: {len(document['runs']['vllm'])} rounds of "
             f"{document['seconds']:g} s each, the engines in turns, each in a fresh process pinned to core(s) "
             f"{document['server_cores']}; {document['running']} requests running, {document['new_tokens']} new tokens, "

@@ -95,8 +95,8 @@ def render_key(key: str, results: Mapping[str, BenchmarkResult], directory: Path
         return serve_path_cost_block(directory, key.removeprefix("ch09-serve-path-cost-"))
     if key.startswith("ch09-serve-path-"):  # ch09-serve-path-mixed: serve-path-mixed.json, against its first row (chapter 8 alone)
         return replicas_block(directory, f"{key.removeprefix('ch09-')}.json", against=None)
-    if key == "real-model-peers":
-        return real_model_peers_block(directory)
+    if key.startswith("real-model-peers"):  # real-model-peers, real-model-peers-avx2: one folder per kind of core
+        return real_model_peers_block(directory, key)
     if key == "real-model-engine-loops":
         return real_model_engine_loops_block(directory)
     if key.startswith("vllm-peer"):  # vllm-peer, vllm-peer-avx512: one folder of files per kind of core

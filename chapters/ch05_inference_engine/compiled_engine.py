@@ -36,7 +36,7 @@ def build_compiled(model: DecoderModel, precision: str, warmup_batch: int = 2) -
     _allow_enough_recompiles()
     started = time.perf_counter()
     graphs_before = _compiled_graphs()
-    base = model if precision == "fp32" else cast_model(model, precision)
+    base = model if precision == "fp32" else cast_model(model, precision, fuse=False)  # Inductor fuses on its own
     compiled = torch.compile(base, dynamic=True, mode=compile_mode(model.device))
     engine = TorchModuleEngine("compile", precision, compiled, model.config, model.device,
                                _activation_dtype(precision, model.device),

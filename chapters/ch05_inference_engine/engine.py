@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from chapters.ch03_dynamic_batching.batched_generation import batched_greedy
 from chapters.ch05_inference_engine.bf16_matmul import NEVER, with_bf16_matmuls
+from chapters.ch05_inference_engine.fused_blocks import with_fused_blocks
 from shared.model import DecoderModel, KVCache, ModelConfig
 
 ENGINES = ("eager", "compile", "onnxruntime", "tensorrt", "cudagraph")
@@ -101,17 +102,18 @@ def torchao_missing_reason() -> str | None:
     return None
 
 
-def cast_model(model: DecoderModel, precision: str) -> DecoderModel:
+def cast_model(model: DecoderModel, precision: str, fuse: bool = True) -> DecoderModel:
     """A copy of ``model`` at ``precision``; the original is never touched. Raises :class:`EngineUnavailable`.
 
-    fp16 / bf16: every weight cast (bf16 on the CPU: only the big products, :func:`with_bf16_matmuls`). int8: torchao's
+    fp16 / bf16: every weight cast (bf16 on the CPU: only the big products, :func:`with_bf16_matmuls`, and a Llama's
+    element-wise work around them fused, :func:`with_fused_blocks`, unless not ``fuse``). int8: torchao's
     ``quantize_`` on the blocks' linear layers, activations per row on the CPU, weights only on CUDA (decode there is bound
     by reading weights); the embedding, the norms and the output layer stay fp32."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose from {PRECISIONS}")
     converted = copy.deepcopy(model)
     if precision == "bf16" and model.device.type == "cpu":
-        return with_bf16_matmuls(converted)
+        return with_fused_blocks(with_bf16_matmuls(converted)) if fuse else with_bf16_matmuls(converted)
     if precision in TORCH_DTYPES:
         return converted.to(TORCH_DTYPES[precision]).eval()
     reason = torchao_missing_reason()
@@ -146,7 +148,8 @@ def build_eager(model: DecoderModel, precision: str) -> TorchModuleEngine:
         measured = ", ".join(f"{rows}: {fp32:.0f}/{bf16:.0f}" for rows, (fp32, bf16) in tuning["timings_us"].items())
         start = f"from {tuning['min_rows']} rows" if tuning["min_rows"] < NEVER else "never (bf16 lost at every size measured)"
         notes = [(f"bf16 matmuls (the blocks' and the output layer's) {start}, fp32 below and everywhere else "
-                  f"(rows: fp32/bf16 microseconds on the widest layer: {measured})")]
+                  f"(rows: fp32/bf16 microseconds on the widest layer: {measured})"),
+                 converted.fusion_missing or "a Llama block's element-wise work in fused C passes (fused_block_ops.c)"]
     report = ConversionReport(seconds=time.perf_counter() - started, notes=notes)
     return TorchModuleEngine("eager", precision, converted, model.config, model.device,
                              _activation_dtype(precision, model.device), report)

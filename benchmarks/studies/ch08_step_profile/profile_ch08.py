@@ -42,7 +42,6 @@ from chapters.ch05_inference_engine.engine import build_eager, multiplies_in_bf1
 from chapters.ch08_continuous_batching.model_runner import ModelRunner, packed_model
 from chapters.ch08_continuous_batching.fast.attention_choice import choose_attention
 from benchmarks.studies.real_model_peers.compiled_blocks import compile_blocks
-from benchmarks.studies.real_model_peers.fused_blocks import fuse_blocks
 from chapters.ch08_continuous_batching.paged_cache import PagedKVStore, kv_cache_dtype
 from chapters.ch08_continuous_batching.sampling import GREEDY, SamplingParams
 from chapters.ch08_continuous_batching.scheduler import ContinuousScheduler, Sequence
@@ -85,21 +84,22 @@ class ClosedLoop:
 
 def closed_loop(attention: str, precision: str, workload: str, kv_cache: str = "auto", temperature: float = 0.0,
                 prefix_caching: str | None = None, block_tokens: int | None = None, weights: str = "default",
-                blocks: str = "eager") -> ClosedLoop:
+                blocks: str = "served") -> ClosedLoop:
     """The loop, warmed up (``WARM_UP_STEPS``); every run of it draws the same prompts. ``prefix_caching``:
     on or off; ``block_tokens``: the pool's block (None for either: the server's default); ``weights``: as
-    the servers' ``--weights``; ``blocks``: ``eager`` as served, ``compiled`` or ``fused`` (the real-model study's
-    ``compiled_blocks`` and ``fused_blocks`` experiments)."""
+    the servers' ``--weights``; ``blocks``: ``served`` (chapter 5's engine as it builds them: fused C passes where they
+    apply), ``eager`` (every block's own PyTorch halves) or ``compiled`` (the real-model study's ``compiled_blocks``)."""
     torch.set_num_threads(1)
     loaded = load_model(weights)
     overrides = {"prefix_caching": prefix_caching, "block_tokens": block_tokens}
     settings = ContinuousSettings(**{name: value for name, value in overrides.items() if value is not None})
     step_engine = build_eager(loaded.model, precision)
     model = packed_model(step_engine)
+    if blocks in ("eager", "compiled"):
+        for block in model.blocks:  # the class's own halves again, where chapter 5 fused them
+            block.__dict__.pop("attention_inputs", None), block.__dict__.pop("after_attention", None)
     if blocks == "compiled":
         compile_blocks(model, warm_up_tokens=(1, 2, settings.max_num_seqs, settings.max_num_batched_tokens))
-    elif blocks == "fused":
-        fuse_blocks(model)
     kv_dtype = kv_cache_dtype(kv_cache, multiplies_in_bf16(step_engine), step_engine.dtype)
     pool = KVMemoryPool(loaded.config, 512 * 64 * 2, block_tokens=settings.block_tokens, dtype=kv_dtype)
     store = PagedKVStore(pool, prefix_caching=settings.prefix_caching == "on")  # as the server runs by default
@@ -115,7 +115,9 @@ def closed_loop(attention: str, precision: str, workload: str, kv_cache: str = "
         return Sequence(prompt, rng.choice(NEW_TOKENS[workload]), sampling=sampling)
 
     sampling = f"temperature {temperature:g}" if temperature else "greedy"
-    engine_label = step_engine.label if blocks == "eager" else f"{step_engine.label}, {blocks} blocks"
+    if blocks == "served":
+        blocks = ("fused" if getattr(step_engine.module, "fusion_missing", "") is None else "eager") + " (as served)"
+    engine_label = f"{step_engine.label}, {blocks} blocks"
     label = (f"{loaded.source}: attention {backend.name}, engine {engine_label}, KV cache {str(kv_dtype).removeprefix('torch.')}, "
              f"workload {workload}, blocks of {settings.block_tokens}, {settings.max_num_seqs} sequences, {sampling}")
     loop = ClosedLoop(engine, new_sequence, label)

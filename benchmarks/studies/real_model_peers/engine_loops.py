@@ -5,8 +5,8 @@ Both loops keep 64 sequences running and replace each one that finishes at once 
 ``LLMEngine.add_request`` and ``step``), from the same seeded requests: the ``default`` workload's random ids, prompts of
 16, 32, 64 or 128 tokens, 32 new tokens, greedy (vLLM told to ignore the end of sequence, as chapter 8's completions do).
 Each loop is warmed up (:data:`WARM_UP_FINISHED` requests), then timed over ``--seconds``; chapter 8 at its served
-settings for the real model (the start-up rule's attention; ``ch08-compiled``: its blocks compiled, :mod:`.compiled_blocks`;
-``ch08-fused``: their element-wise work in C passes, :mod:`.fused_blocks`), vLLM at
+settings for the real model (the start-up rule's attention; chapter 5's fused blocks; ``ch08-eager-blocks``: each block's own
+PyTorch halves instead; ``ch08-compiled``: those compiled, :mod:`.compiled_blocks`), vLLM at
 its CPU defaults; both at ``--dtype`` (bf16: chapter 8's ``--precision bf16``, vLLM's bfloat16; fp32 where the CPU has
 no bf16 arithmetic and emulates it). One process per run, pinned to the server's core (``VLLM_CPU_OMP_THREADS_BIND``
 for vLLM, one torch thread for chapter 8)::
@@ -29,7 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -40,7 +40,7 @@ PROMPT_LENGTHS = (16, 32, 64, 128)
 NEW_TOKENS = 32
 WARM_UP_FINISHED = 128
 SERVER_CORES = [0]
-ENGINES = ("ch08", "ch08-compiled", "ch08-fused", "vllm")
+ENGINES = ("ch08", "ch08-eager-blocks", "ch08-compiled", "vllm")
 DTYPES = {"bf16": ("bf16", "bfloat16"), "fp32": ("fp32", "float32")}  # --dtype: (chapter 8's --precision, vLLM's --dtype)
 
 
@@ -51,41 +51,45 @@ def requests(seed: int = 0, vocab: int = 256) -> Iterator[list[int]]:
         yield [rng.randrange(vocab) for _ in range(rng.choice(PROMPT_LENGTHS))]
 
 
-def closed_loop(step: Callable[[], tuple[int, int]], add: Callable[[list[int]], None], seconds: float, profile: Path | None,
-                table: Callable[[object], str]) -> dict:
-    """Keep RUNNING requests in flight (``add`` one; ``step`` returns how many finished and how many tokens it generated),
-    warm up, then time ``seconds``.
+def closed_loop(step: Callable[[], tuple[list[Hashable], int]], add: Callable[[list[int]], Hashable], seconds: float,
+                profile: Path | None, table: Callable[[object], str]) -> dict:
+    """Keep RUNNING requests in flight (``add`` one and get its key; ``step`` returns the keys of those that finished and
+    how many tokens it generated), warm up, then time ``seconds``.
 
-    Every request asks for the same NEW_TOKENS, so requests that start together finish together: they finish in cohorts
-    of up to RUNNING, and a window's count of finished requests moves in such steps whatever the engine's speed, as its
-    count of generated tokens moves with where in a cohort's life the window begins and ends. ``requests_per_s`` is
-    therefore counted between finishes: the requests finished after the window's first finishing step up to its last,
-    over the time between those two steps, a whole number of cohorts' lives."""
+    Every request asks for the same NEW_TOKENS, so requests that start together finish together, in cohorts: a window's
+    count of finished requests moves in steps of a cohort whatever the engine's speed, and its count of generated tokens
+    with where in a cohort's life (prompts first, then one token a step) the window ends. A request's life does not:
+    with RUNNING always in flight, Little's law gives the loop's rate as RUNNING over the mean life of the requests that
+    finished in the window (``requests_per_s``). ``finished_per_s`` keeps the window's plain count."""
     prompts = requests()
+    in_flight: dict[Hashable, tuple[float, int]] = {}  # key: (when added, prompt length)
+
+    def admit() -> None:
+        prompt = next(prompts)
+        in_flight[add(prompt)] = (time.perf_counter(), len(prompt))
+
     for _ in range(RUNNING):
-        add(next(prompts))
+        admit()
 
     def turn_until(stop: Callable[[int, float], bool]) -> dict:
-        finished = generated = tokens = 0
-        first = last = None  # (finished so far, seconds) at the window's first and last finishing steps
+        generated = tokens = 0
+        lives: list[float] = []
         started = time.perf_counter()
-        while not stop(finished, time.perf_counter() - started):
+        while not stop(len(lives), time.perf_counter() - started):
             done, new = step()
-            finished, generated = finished + done, generated + new
-            if done:
-                last = (finished, time.perf_counter() - started)
-                first = first or last
-            for _ in range(done):
-                prompt = next(prompts)
-                tokens += len(prompt) + NEW_TOKENS
-                add(prompt)
+            now, generated = time.perf_counter(), generated + new
+            for key in done:
+                added, prompt_length = in_flight.pop(key)
+                lives.append(now - added)
+                tokens += prompt_length + NEW_TOKENS
+                admit()
         elapsed = time.perf_counter() - started
-        if not first or last[1] <= first[1]:
-            raise RuntimeError(f"fewer than two steps finished requests in {elapsed:.0f} s: lengthen --seconds")
-        between = (last[0] - first[0]) / (last[1] - first[1])
-        return {"finished": finished, "seconds": round(elapsed, 3), "requests_per_s": round(between, 3),
-                "finished_per_s": round(finished / elapsed, 3), "tokens_per_s": round(tokens / elapsed, 1),
-                "generated_per_s": round(generated / elapsed, 1)}
+        if not lives:
+            raise RuntimeError(f"no request finished in {elapsed:.0f} s: lengthen --seconds")
+        mean_life = statistics.fmean(lives)
+        return {"finished": len(lives), "seconds": round(elapsed, 3), "requests_per_s": round(RUNNING / mean_life, 3),
+                "mean_life_s": round(mean_life, 3), "finished_per_s": round(len(lives) / elapsed, 3),
+                "tokens_per_s": round(tokens / elapsed, 1), "generated_per_s": round(generated / elapsed, 1)}
 
     turn_until(lambda finished, _: finished >= WARM_UP_FINISHED)
     record = turn_until(lambda _, elapsed: elapsed >= seconds)
@@ -108,20 +112,30 @@ def run_ch08(seconds: float, profile: Path | None, dtype: str, engine: str) -> d
     from benchmarks.studies.ch08_step_profile.profile_ch08 import closed_loop as ch08_loop
     from chapters.ch08_continuous_batching.sampling import GREEDY
     from chapters.ch08_continuous_batching.scheduler import Sequence
+    from chapters.ch08_continuous_batching.sequence import Status
 
-    blocks = engine.removeprefix("ch08").removeprefix("-") or "eager"
+    blocks = {"ch08": "served", "ch08-eager-blocks": "eager", "ch08-compiled": "compiled"}[engine]
     loop = ch08_loop("auto", DTYPES[dtype][0], "default", weights="smollm2", blocks=blocks)  # warmed up
     scheduler = loop.engine.scheduler
     while scheduler.running or scheduler.waiting:  # drained, so both loops start from RUNNING of the same requests
         loop.engine.step()
 
-    def step() -> tuple[int, int]:
-        finished, generated = scheduler.stats.finished, scheduler.stats.tokens_generated
-        loop.engine.step()
-        return scheduler.stats.finished - finished, scheduler.stats.tokens_generated - generated
+    in_flight: set[Sequence] = set()
 
-    record = closed_loop(step, lambda prompt: scheduler.add(Sequence(prompt, NEW_TOKENS, sampling=GREEDY)), seconds,
-                         profile, _table)
+    def add(prompt: list[int]) -> Sequence:
+        sequence = Sequence(prompt, NEW_TOKENS, sampling=GREEDY)
+        scheduler.add(sequence)
+        in_flight.add(sequence)
+        return sequence
+
+    def step() -> tuple[list[Sequence], int]:
+        generated = scheduler.stats.tokens_generated
+        loop.engine.step()
+        finished = [sequence for sequence in in_flight if sequence.status is Status.FINISHED]
+        in_flight.difference_update(finished)
+        return finished, scheduler.stats.tokens_generated - generated
+
+    record = closed_loop(step, add, seconds, profile, _table)
     return {"engine": engine, "label": loop.label, "torch": torch.__version__, **record}
 
 
@@ -135,19 +149,23 @@ def run_vllm(seconds: float, profile: Path | None, dtype: str) -> dict:
 
     tokens_so_far: dict[str, int] = {}  # each running request's output length at its last step (outputs are cumulative)
 
-    def step() -> tuple[int, int]:
-        finished = generated = 0
+    def step() -> tuple[list[str], int]:
+        finished, generated = [], 0
         for output in engine.step():
             count = len(output.outputs[0].token_ids)
             generated += count - tokens_so_far.get(output.request_id, 0)
             tokens_so_far[output.request_id] = count
             if output.finished:
-                finished += 1
+                finished.append(output.request_id)
                 del tokens_so_far[output.request_id]
         return finished, generated
 
-    record = closed_loop(step, lambda prompt: engine.add_request(str(next(ids)), TokensPrompt(prompt_token_ids=prompt), params),
-                         seconds, profile, _table)
+    def add(prompt: list[int]) -> str:
+        request_id = str(next(ids))
+        engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
+        return request_id
+
+    record = closed_loop(step, add, seconds, profile, _table)
     return {"engine": "vllm", "label": f"vLLM {vllm.__version__} CPU, {DTYPES[dtype][1]}, max_num_seqs {RUNNING}, max_model_len 512",
             **record}
 
@@ -174,12 +192,18 @@ def compare(rounds: int, seconds: float, dtype: str, engines: tuple[str, ...], c
                                   env={**os.environ, **_environment(engine)}, check=True)
             runs[engine].append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(f"round {index + 1}/{rounds} {engine}: {runs[engine][-1]['requests_per_s']:.2f} req/s", file=sys.stderr)
+    return summarized({"kind": "engine-loops", "command": command, "cpu": cpu_description(), "dtype": dtype, "running": RUNNING,
+                       "new_tokens": NEW_TOKENS, "prompt_lengths": list(PROMPT_LENGTHS), "seconds": seconds,
+                       "server_cores": SERVER_CORES, "environments": {engine: _environment(engine) for engine in engines},
+                       "runs": runs})
+
+
+def summarized(document: dict) -> dict:
+    """``document`` with the medians of its rounds' ``requests_per_s`` and the ratios to vLLM, overall and round by round."""
+    runs = document["runs"]
     medians = {engine: statistics.median(r["requests_per_s"] for r in rows) for engine, rows in runs.items()}
-    chapter8 = [engine for engine in engines if engine != "vllm"]
-    return {"kind": "engine-loops", "command": command, "cpu": cpu_description(), "dtype": dtype, "running": RUNNING,
-            "new_tokens": NEW_TOKENS, "prompt_lengths": list(PROMPT_LENGTHS), "seconds": seconds, "server_cores": SERVER_CORES,
-            "environments": {engine: _environment(engine) for engine in engines}, "runs": runs,
-            "median_requests_per_s": medians, "requests_counted": "between finishes",
+    chapter8 = [engine for engine in runs if engine != "vllm"]
+    return {**document, "median_requests_per_s": medians, "requests_counted": "Little's law",
             "over_vllm": {engine: round(medians[engine] / medians["vllm"], 3) for engine in chapter8},
             "over_vllm_each_round": {engine: [round(a["requests_per_s"] / b["requests_per_s"], 3)
                                               for a, b in zip(runs[engine], runs["vllm"])] for engine in chapter8}}

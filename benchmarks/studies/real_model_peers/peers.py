@@ -157,15 +157,16 @@ def llama_version() -> str | None:
 
 def compare_all(args: argparse.Namespace, harness: dict, profile_args: list[str], server_env: dict[str, str],
                 command: str) -> dict[tuple[str, str], dict[str, Any]]:
-    """Every round: each server started fresh (in turns, reversed every other round) and measured on every
-    workload and answer kind in order; one document per (workload, answers), each server's median-QPS round."""
+    """Every round, every workload and answer kind: each server started fresh (in turns, reversed every other round,
+    so no row inherits a cache another row warmed) and measured; one document per (workload, answers), each server's
+    median-QPS round."""
     cores = harness["server_cores"]
     pairs = [(workload, answers) for workload in args.workloads for answers in args.answers]
     runs: dict[tuple[str, str], dict[str, list[dict[str, Any]]]] = {pair: {} for pair in pairs}
     for index in range(args.rounds):
-        for label in args.servers if index % 2 == 0 else args.servers[::-1]:
-            with running_server(label, args, cores, profile_args, server_env) as server:
-                for workload, answers in pairs:
+        for workload, answers in pairs:
+            for label in args.servers if index % 2 == 0 else args.servers[::-1]:
+                with running_server(label, args, cores, profile_args, server_env) as server:
                     for row, route in measured_routes(label, workload, answers):
                         record = measure(server.url, args, workload, ANSWERS[answers], request_extra(label, workload), route)
                         if label == "ch08":
@@ -178,6 +179,7 @@ def compare_all(args: argparse.Namespace, harness: dict, profile_args: list[str]
         document = compare_document(workload, args.users, args.duration_s, {label: median_round(r) for label, r in by_label.items()},
                                     command, args.ch08_args, harness, None, args.rounds)
         document.update(kind="real-model-peers", model="SmolLM2-135M-Instruct", answers=answers, api="openai",
+                        server_starts="each round, workload and answers",
                         servers={label: {**server_record(label, args, cores, profile_args, server_env),
                                          "request_extra": request_extra(label, workload) or {}} for label in args.servers})
         documents[(workload, answers)] = document
@@ -263,7 +265,8 @@ def main(argv: list[str] | None = None) -> None:
     compare.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
-    missing = [path for path in (args.hf_dir / "model.safetensors", F16_GGUF) if not path.exists()]
+    needed = [args.hf_dir / "model.safetensors"] + ([F16_GGUF] if "llama-f16" in getattr(args, "servers", ["llama-f16"]) else [])
+    missing = [path for path in needed if not path.exists()]
     if missing:
         parser.error(f"missing {', '.join(map(str, missing))}: run `python -m benchmarks.studies.real_model_peers.export` first")
     if args.command == "check":

@@ -7,19 +7,16 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
-import hashlib
 import math
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from chapters.ch05_inference_engine.native_library import NativeBuildFailed, build_library, library_path
 from chapters.ch08_continuous_batching.paged_attention import DecodeAttend, PackedInputs, PagedAttention, block_table_tensor
 from chapters.ch08_continuous_batching.paged_cache import PagedKVStore
-from chapters.ch08_continuous_batching.fast.startup_cache import cache_dir, cpu_flags
+from chapters.ch08_continuous_batching.fast.startup_cache import cache_dir
 from shared.model import Attend
 
 KERNEL_SOURCE = Path(__file__).with_name("paged_decode.c")
@@ -36,32 +33,18 @@ class KernelUnavailable(RuntimeError):
 
 def kernel_target(compiler: str, cache: Path) -> Path:
     """Where ``compiler``'s build lives in ``cache``: named for a digest of the source, flags, compiler and every CPU flag."""
-    named = "\0".join([KERNEL_SOURCE.read_text(), *KERNEL_FLAGS, compiler, " ".join(cpu_flags(every=True))])
-    return cache / f"paged_decode-{hashlib.sha256(named.encode()).hexdigest()[:16]}.so"
+    return library_path(KERNEL_SOURCE, KERNEL_FLAGS, compiler, cache)
 
 
 def build_kernel(compiler: str | None = None, cache: Path | None = None) -> ctypes.CDLL:
-    """``paged_decode.c`` compiled for this machine and loaded, built once into :func:`kernel_target` under ``cache`` (default:
-    :func:`cache_dir`, shared by every process here); :class:`KernelUnavailable` with the reason without a compiler or a build."""
-    compiler = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler or shutil.which(compiler) is None:
-        raise KernelUnavailable(f"the kernel backend is built with a C compiler ($CC, cc or gcc), and none was found"
-                                f"{f' ({compiler!r})' if compiler else ''}")
-    target = kernel_target(compiler, cache or cache_dir())
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")  # two servers building at once: each renames its own
-        done = subprocess.run([compiler, *KERNEL_FLAGS, "-o", str(partial), str(KERNEL_SOURCE), "-lm"],
-                              capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
-            partial.unlink(missing_ok=True)
-            raise KernelUnavailable(f"building {KERNEL_SOURCE.name} with {compiler} failed: {done.stderr.strip()[-400:]}")
-        os.replace(partial, target)
-    library = ctypes.CDLL(str(target))
-    for function in KERNEL_FUNCTIONS.values():
-        getattr(library, function).argtypes = KERNEL_ARGUMENTS
-        getattr(library, function).restype = None
-    return library
+    """``paged_decode.c`` compiled for this machine and loaded (chapter 5's :func:`build_library`), built once into
+    :func:`kernel_target` under ``cache`` (default: :func:`cache_dir`, shared by every process here);
+    :class:`KernelUnavailable` with the reason without a compiler or a build."""
+    signatures = {function: KERNEL_ARGUMENTS for function in KERNEL_FUNCTIONS.values()}
+    try:
+        return build_library(KERNEL_SOURCE, KERNEL_FLAGS, signatures, cache or cache_dir(), compiler)
+    except NativeBuildFailed as error:
+        raise KernelUnavailable(f"the kernel backend: {error}") from error
 
 
 @functools.cache

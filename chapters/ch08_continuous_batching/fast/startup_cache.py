@@ -9,7 +9,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import re
 import statistics
 import time
@@ -20,10 +19,9 @@ from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from shared.devices import cpu_flags
 
-# Vector widths and matrix units: other flags (virtualization, mitigations) differ between identical machines, missing the cache.
-RELEVANT_CPU_FLAGS = ("avx", "amx", "fma", "f16c", "sse4", "asimd", "sve", "neon", "bf16", "fp16")
+log = logging.getLogger(__name__)
 
 
 def cache_dir() -> Path:
@@ -36,16 +34,6 @@ def cache_dir() -> Path:
 def use_cache_for_compilers() -> None:
     """Point TorchInductor's cache under :func:`cache_dir` unless the user chose one (a reboot empties its default, ``/tmp``)."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
-
-
-def cpu_flags(every: bool = False) -> list[str]:
-    """The CPU's feature flags that a measured choice depends on (:data:`RELEVANT_CPU_FLAGS`), or ``every`` one, sorted."""
-    try:
-        text = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        return [platform.machine()]
-    line = next((line for line in text.splitlines() if line.lower().startswith(("flags", "features"))), ":")
-    return sorted({flag for flag in line.split(":", 1)[1].split() if every or flag.startswith(RELEVANT_CPU_FLAGS)})
 
 
 def machine_key() -> dict:

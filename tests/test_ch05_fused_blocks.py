@@ -1,6 +1,6 @@
-"""The real-model study's fused blocks (``benchmarks/studies/real_model_peers/fused_blocks.py``): a Llama block's
-element-wise work around its bf16 products as C passes, each checked against the PyTorch operators it replaces (the
-oracle: what chapter 5's eager bf16 block computes), then whole blocks and a served step against the eager ones."""
+"""Chapter 5's fused blocks: a Llama block's element-wise work around its bf16 products as C passes, each checked against
+the PyTorch operators it replaces (the oracle: what the eager bf16 block computes), then whole blocks, batched and
+packed, and a model's greedy tokens against the eager ones; and where the bf16 engine fuses and where it says why not."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from chapters.ch05_inference_engine.bf16_matmul import bf16_rows, with_bf16_matmuls
-from benchmarks.studies.real_model_peers.compiled_blocks import _one_causal_sequence
-from benchmarks.studies.real_model_peers.fused_blocks import FusedHalves, fuse_blocks, fused_ops
+from chapters.ch05_inference_engine import fused_blocks
+from chapters.ch05_inference_engine.bf16_matmul import NEVER, bf16_rows, with_bf16_matmuls
+from chapters.ch05_inference_engine.engine import build_eager
+from chapters.ch05_inference_engine.fused_blocks import FusedHalves, fuse_blocks, fused_ops, with_fused_blocks
+from chapters.ch05_inference_engine.native_library import NativeBuildFailed
 from shared.llama import RMSNorm, RotaryEmbedding
 from shared.weights import load_model
 
@@ -28,6 +30,10 @@ def ops():
 def llama():
     """The tiny Llama with every product in bf16 from one row, so every call takes the fused passes."""
     return with_bf16_matmuls(copy.deepcopy(load_model("dummy", "llama-tiny").model), min_rows=1)
+
+
+def _one_causal_sequence(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
 def _differing(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -121,3 +127,58 @@ def test_a_fused_model_gives_the_eager_bf16_models_greedy_tokens(llama) -> None:
         fused_logits = fused.forward_packed(ids, positions, _one_causal_sequence, positions)
     assert (eager_logits.argmax(-1) == fused_logits.argmax(-1)).float().mean() >= 0.95
     torch.testing.assert_close(fused_logits, eager_logits, rtol=0.05, atol=0.05)
+
+
+def test_batched_rows_with_their_own_positions_are_fused_as_the_eager_blocks_compute_them(llama) -> None:
+    """Chapter 5's own batches: (B, T) rows, left-padded, each row's positions its own (a padded slot's negative one
+    counts from the end, as the eager block's indexing does)."""
+    block = llama.blocks[0]
+    halves = FusedHalves(block)
+    torch.manual_seed(6)
+    x = torch.randn(3, 4, llama.config.n_embd)
+    positions = torch.tensor([[0, 1, 2, 3], [-1, 0, 1, 2], [5, 6, 7, 8]])
+    with torch.no_grad():
+        for eager, fused in zip(block.attention_inputs(x, positions), halves.attention_inputs(x, positions)):
+            assert eager.shape == fused.shape
+            torch.testing.assert_close(fused, eager, rtol=0.02, atol=0.02)
+        y = torch.randn(3, llama.config.n_head, 4, llama.config.head_dim)
+        torch.testing.assert_close(halves.after_attention(x, y), block.after_attention(x, y), rtol=0.02, atol=0.02)
+
+
+def test_calls_below_min_rows_keep_the_eager_halves(monkeypatch) -> None:
+    model = with_bf16_matmuls(copy.deepcopy(load_model("dummy", "llama-tiny").model), min_rows=16)
+    block = fuse_blocks(model).blocks[0]
+    monkeypatch.setattr(fused_blocks, "fused_ops", lambda: pytest.fail("a call below min_rows reached the C passes"))
+    with torch.no_grad():
+        block.attention_inputs(torch.randn(1, 15, model.config.n_embd), torch.arange(15)[None])
+
+
+def test_a_fused_model_copies_and_each_copy_computes_with_its_own_weights(llama) -> None:
+    fused = fuse_blocks(copy.deepcopy(llama))
+    twin = copy.deepcopy(fused)
+    twin.blocks[0].post_attention_layernorm.weight.data.mul_(0)  # the copy's weights only
+    ids, positions = torch.arange(8), torch.arange(8)
+    with torch.no_grad():
+        before = fused.forward_packed(ids, positions, _one_causal_sequence, positions)
+        assert not torch.equal(twin.forward_packed(ids, positions, _one_causal_sequence, positions), before)
+        assert torch.equal(fused.forward_packed(ids, positions, _one_causal_sequence, positions), before)
+
+
+def test_the_bf16_engine_fuses_a_llama_that_multiplies_in_bf16_and_says_why_it_does_not_otherwise(monkeypatch) -> None:
+    llama = load_model("dummy", "llama-tiny").model
+    monkeypatch.setattr("chapters.ch05_inference_engine.engine.with_bf16_matmuls", lambda model: with_bf16_matmuls(model, 1))
+    engine = build_eager(llama, "bf16")
+    assert engine.module.fusion_missing is None and "fused C passes" in engine.conversion.notes[-1]
+    assert all("attention_inputs" in vars(block) and "after_attention" in vars(block) for block in engine.module.blocks)
+    assert not any("attention_inputs" in vars(block) for block in llama.blocks)  # the fp32 model is never touched
+    never = with_fused_blocks(with_bf16_matmuls(copy.deepcopy(llama), min_rows=NEVER))
+    assert "nothing around them to fuse" in never.fusion_missing and "attention_inputs" not in vars(never.blocks[0])
+    gpt = with_fused_blocks(with_bf16_matmuls(copy.deepcopy(load_model("dummy").model), min_rows=1))
+    assert "Llama blocks" in gpt.fusion_missing
+
+    def no_compiler():
+        raise NativeBuildFailed("built with a C compiler ($CC, cc or gcc), and none was found")
+    monkeypatch.setattr(fused_blocks, "fused_ops", no_compiler)
+    unbuilt = build_eager(llama, "bf16")
+    assert "none was found" in unbuilt.module.fusion_missing and "none was found" in unbuilt.conversion.notes[-1]
+    assert "attention_inputs" not in vars(unbuilt.module.blocks[0])  # served by the eager blocks
