@@ -6,8 +6,9 @@ suite; ``test_concurrent_mixed_chat_requests_get_transformers_tokens`` sends pro
 at once, so request-level batches pad them and chapter 8 runs them in one packed step. Chapter 9 (a
 Ray cluster, Serve's proxy and one replica of chapter 8's server, each replica loading the model
 itself) answers the same questions through the proxy, in the slow suite: Ray's start and the
-replica's load take most of a minute. Chapters 2, 6 and 7, which run the model as the chapter before them does,
-are in the slow suite too, for the fast suite's time. Chapter 8 is started with ``--attention kernel``: at ``auto`` a
+replica's load take most of a minute. For the fast suite's time only chapter 5 (chapter 3's request-level batches
+and chapter 4's pool, run by its engine) and chapter 8 (packed steps on a paged cache) answer here; chapters 1 to 4,
+6 and 7 answer in the slow suite. Chapter 8 is started with ``--attention kernel``: at ``auto`` a
 fresh start (as every run of the suite is) first times each attention backend over whole steps of the real model, most
 of the start; the rule is tested on the default model, and each backend's tokens on this one in ``test_ch08_llama``.
 """
@@ -28,10 +29,10 @@ from shared.chat_template import chat_prompt
 QUESTIONS = ["What is the capital of France?", "Name a colour.", "Write a haiku about the sea, please, in English.",
              "Explain in one sentence why the sky looks blue during the day and red at sunset."]
 NEW_TOKENS = (8, 5, 3, 6)
-# Chapters 2, 6 and 7 run the model as the chapter before them does (the same model code behind another web face,
-# batcher setting or production shell), so they run in the slow suite; each chapter that brings a new way to run
-# the model (a batch, a pool, an engine, a paged cache) stays here.
-SLOW_HERE = ("ch02", "ch06", "ch07")
+# Chapter 5 serves chapter 3's padded request-level batches from chapter 4's pool with its own engine, so on the real
+# model it stands for chapters 1 to 4 in the fast suite; chapter 8 brings the other way to run it (packed steps on a
+# paged cache). Chapters 2, 6 and 7 run the model as the chapter before them does.
+SLOW_HERE = ("ch01", "ch02", "ch03", "ch04", "ch06", "ch07")
 SERVED = [pytest.param(chapter, marks=pytest.mark.slow) if chapter in SLOW_HERE else chapter
           for chapter in CHAPTERS if chapter != "ch09"]
 TIMEOUT_S = 300

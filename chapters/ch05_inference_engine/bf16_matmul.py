@@ -224,11 +224,16 @@ def _bf16_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return _unpadded(linear_bf16(bf16_rows(x), weight, bias), x)
 
 
+def padded_rows(rows: int) -> int:
+    """``rows`` rounded up to :data:`ROW_BUCKET`: the row count every bf16 product is called with."""
+    return -(-rows // ROW_BUCKET) * ROW_BUCKET
+
+
 def bf16_rows(x: Tensor) -> Tensor:
     """``x`` (..., K) as bf16 rows (R, K), R its row count rounded up to :data:`ROW_BUCKET`, the rows past its own zero
     (rows never mix in a product, so the padding changes no row of the result; :func:`_unpadded` drops it)."""
     rows = x.numel() // x.shape[-1]
-    padded, flat = -(-rows // ROW_BUCKET) * ROW_BUCKET, x.reshape(rows, x.shape[-1])
+    padded, flat = padded_rows(rows), x.reshape(rows, x.shape[-1])
     if padded == rows:
         return flat.to(torch.bfloat16)
     out = torch.empty(padded, x.shape[-1], dtype=torch.bfloat16, device=x.device)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from chapters.ch05_inference_engine.bf16_matmul import NEVER, Bf16GatedMLP, Bf16MatmulLinear, ROW_BUCKET, linear_bf16
+from chapters.ch05_inference_engine.bf16_matmul import NEVER, Bf16GatedMLP, Bf16MatmulLinear, linear_bf16, padded_rows
 from chapters.ch05_inference_engine.native_library import NativeBuildFailed, build_library
 from shared.llama import LlamaBlock
 from shared.model import DecoderModel
@@ -52,10 +52,6 @@ def fused_ops() -> ctypes.CDLL:
     return build_library(SOURCE, FLAGS, SIGNATURES, ENGINE_CACHE_DIR)
 
 
-def _padded(rows: int) -> int:
-    return -(-rows // ROW_BUCKET) * ROW_BUCKET
-
-
 class FusedHalves:
     """One block's ``attention_inputs`` and ``after_attention`` through the C passes, bound to its weights; the block's own
     eager halves for calls below its products' ``min_rows``. Holds no handle to the library (a deep copy stays possible)."""
@@ -79,7 +75,7 @@ class FusedHalves:
         if rows < self.min_rows or x.dtype != torch.float32 or x.device.type != "cpu":
             return self.eager_inputs(x, position_ids)
         ops, x, norm = fused_ops(), x.contiguous(), self.block.input_layernorm
-        normed = torch.empty(_padded(rows), width, dtype=torch.bfloat16)
+        normed = torch.empty(padded_rows(rows), width, dtype=torch.bfloat16)
         ops.rms_norm_bf16(x.data_ptr(), norm.weight.data_ptr(), rows, normed.shape[0], width, norm.eps, normed.data_ptr())
         qkv16 = linear_bf16(normed, self.qkv.weight_bf16, self.qkv.bias_bf16)
         # (B or 1, T) as one position per row; a negative one counts from the end, as the eager block's indexing does
@@ -95,7 +91,7 @@ class FusedHalves:
         rows = batch * length
         if rows < self.min_rows or x.dtype != torch.float32 or x.device.type != "cpu":
             return self.eager_after(x, y)
-        ops, x, padded, norm = fused_ops(), x.contiguous(), _padded(rows), self.block.post_attention_layernorm
+        ops, x, padded, norm = fused_ops(), x.contiguous(), padded_rows(rows), self.block.post_attention_layernorm
         y = y.transpose(1, 2).reshape(rows, -1).contiguous()  # a view where attention wrote (B, T, H, D): no copy
         attended = torch.empty(padded, y.shape[1], dtype=torch.bfloat16)
         ops.rows_bf16(y.data_ptr(), rows, padded, y.shape[1], attended.data_ptr())
